@@ -1,0 +1,10 @@
+"""pagoda: a high-throughput, memory-efficient inference and serving engine for LLMs."""
+
+from pagoda.config import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.llm import LLM
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]

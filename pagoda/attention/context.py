@@ -1,0 +1,50 @@
+"""One flat attention context per step, entered with `with forward_context(meta):`.
+
+Models keep `forward(input_ids, positions)`; only the attention layer reads this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """The batch's layout for attention. Decode requests (one query token) come first:
+
+    tokens  [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]
+              decodes     prefill 0   prefill 1
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64: context incl. the new token
+    # Prefills (chunks of any length over any context), one entry per request:
+    prefill_query_starts: list[int]  # token offsets into the flat batch
+    prefill_query_lens: list[int]
+    prefill_context_lens: list[int]  # tokens already in the cache before this chunk
+    prefill_block_tables: list[torch.Tensor]  # [num_blocks] int64 each
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention called outside forward_context()")
+    return _current

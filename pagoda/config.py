@@ -1,0 +1,141 @@
+"""Typed, frozen configuration, split by concern and validated once.
+
+`EngineArgs` is what users fill in (vLLM's names); `create_engine_config`
+checks every field, reads the model's config, and returns frozen configs. No
+torch here: the scheduler and block pool import this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user named, or the default model's path
+    path: str  # a Hugging Face folder or a .gguf file
+    is_gguf: bool
+    hf_config: dict[str, Any] = field(repr=False, hash=False)
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    max_model_len_is_default: bool
+    eos_token_ids: tuple[int, ...]
+    generation_defaults: dict[str, Any] = field(hash=False)
+    seed: int
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config["architectures"][0]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_memory_bytes: int
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    scheduling_policy: str = "fcfs"
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set on an engine; mirrors vLLM's `EngineArgs`."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    num_threads: int | None = None
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def _verify(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        for name in ("kv_cache_memory_bytes", "max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}."
+            )
+
+    def create_model_config(self) -> ModelConfig:
+        from pagoda.model_executor import model_loader
+
+        self._verify()
+        path, is_gguf = model_loader.resolve_model(self.model)
+        hf_config = model_loader.load_hf_config(path, is_gguf)
+        model_loader.check_architecture(hf_config, path)
+        model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({model_max_len})."
+            )
+        eos_token_ids, generation_defaults = model_loader.load_generation_config(
+            path, is_gguf, hf_config
+        )
+        return ModelConfig(
+            model=self.model or path,
+            path=path,
+            is_gguf=is_gguf,
+            hf_config=hf_config,
+            dtype=model_loader.resolve_dtype(self.dtype, hf_config),
+            max_model_len=self.max_model_len or model_max_len,
+            max_model_len_is_default=self.max_model_len is None,
+            eos_token_ids=eos_token_ids,
+            generation_defaults=generation_defaults,
+            seed=self.seed,
+        )
+
+    def create_cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes or default_kv_cache_bytes(),
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            scheduling_policy=self.scheduling_policy,
+        )
+
+
+def default_kv_cache_bytes() -> int:
+    """A quarter of available memory, capped at 4 GiB (vLLM's CPU default)."""
+    import psutil
+
+    return int(min(4 << 30, psutil.virtual_memory().available // 4))

@@ -1,0 +1,1 @@
+"""Scheduling and KV block bookkeeping: plain Python over integers, no torch."""

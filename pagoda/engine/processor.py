@@ -1,0 +1,75 @@
+"""The front door: validates a request, tokenizes it, and turns it into a `Request`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pagoda.config import ModelConfig
+from pagoda.request import Request
+from pagoda.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class Processor:
+    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.vocab_size = model_config.hf_config["vocab_size"]
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_config.generation_defaults)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids). Raises ValueError naming the field."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if not isinstance(token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+            ):
+                raise ValueError("prompt_token_ids must be a list of integers.")
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}."
+                )
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        else:
+            raise ValueError(
+                f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}."
+            )
+        if not token_ids:
+            raise ValueError("prompt must not be empty.")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens long; max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for at least one generated token)."
+            )
+        return text, list(token_ids)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[Request, str | None]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}.")
+        if params is None:
+            params = self.default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported yet; submit one request per completion.")
+        text, token_ids = self.tokenize_prompt(prompt)
+        params = dataclasses.replace(params, eos_token_ids=self.model_config.eos_token_ids)
+        return Request(request_id, token_ids, params, priority, arrival_time), text

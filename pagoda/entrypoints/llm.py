@@ -1,0 +1,132 @@
+"""`LLM`: the offline API, vLLM's names and shapes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagoda.config import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.processor import PromptType
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching.
+
+    `LLM(model=None)` serves the default model, SmolLM2-135M-Instruct. Every
+    keyword is an `EngineArgs` field.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}.")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts."
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * len(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+        request_ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(
+                    request_id, prompt, params, priority[i] if priority else 0
+                )
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)  # all or nothing
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self._render_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _render_chat(
+        self, conversation: Conversation, add_generation_prompt: bool
+    ) -> dict[str, Any]:
+        tokenizer = self.llm_engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt.")
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        # The template already holds any special tokens it wants.
+        return {
+            "prompt": text,
+            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+        }
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            disable=not use_tqdm,
+        )
+        start, num_in, num_out = time.perf_counter(), 0, 0
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        num_in += len(out.prompt_token_ids)
+                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(
+                            f"in: {num_in / elapsed:.0f} tok/s, out: {num_out / elapsed:.0f} tok/s"
+                        )
+                        bar.update(1)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(
+                        f"engine stopped with requests unfinished: {sorted(pending)[:5]}"
+                    )
+        except BaseException:
+            engine.abort_request(list(pending))  # leave no request behind (e.g. on Ctrl-C)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]

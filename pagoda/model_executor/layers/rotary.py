@@ -1,0 +1,53 @@
+"""Rotary position embedding (Hugging Face's rotate-half layout), cos/sin cached once."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in ("default", None):
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported.")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # [max_position, head_dim // 2] each; float32, cast per call to the activations' dtype.
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, H, D], k: [T, KVH, D] -> rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,264 @@
+"""Finding a model, reading its config, weights, tokenizer and generation defaults.
+
+Two sources: a Hugging Face folder (config.json, safetensors single or sharded,
+tokenizer files, generation_config.json) or a GGUF file (dequantized at load
+time; tokenizer and chat template from its metadata). Weights come out with
+Hugging Face names, so one model file serves both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def resolve_model(model: str | None) -> tuple[str, bool]:
+    """(path, is_gguf) for a model name: None (the default), a folder or a .gguf file."""
+    if model is None:
+        from pagoda.model_executor.default_model import default_model_path
+
+        return default_model_path(), True
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model file {model!r} is not a .gguf file.")
+        return model, True
+    if os.path.isdir(model):
+        if os.path.isfile(os.path.join(model, "config.json")):
+            return model, False
+        ggufs = sorted(f for f in os.listdir(model) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return os.path.join(model, ggufs[0]), True
+        raise FileNotFoundError(f"model folder {model!r} has no config.json (nor one .gguf file).")
+    raise FileNotFoundError(
+        f"model {model!r} is not a local folder or .gguf file (pagoda does not download from a hub)."
+    )
+
+
+def check_architecture(hf_config: dict[str, Any], path: str) -> None:
+    archs = hf_config.get("architectures") or []
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model {path!r}: architecture {archs or None} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+
+
+def resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
+    if dtype != "auto":
+        return dtype
+    # bf16 wherever the CPU computes it natively (AVX-512 BF16 / AMX), else fp32.
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
+# ---- config ----------------------------------------------------------------------
+
+
+def load_hf_config(path: str, is_gguf: bool) -> dict[str, Any]:
+    if is_gguf:
+        return _gguf_config(_gguf_reader(path))
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {config_path}: {e}") from e
+    # transformers 5 writes rope settings as rope_parameters; older files as rope_theta/rope_scaling.
+    rope = config.get("rope_parameters") or {}
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = rope
+    return config
+
+
+def _gguf_reader(path: str):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the gguf package raises assorted errors on bad files
+        raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
+
+
+def _gguf_fields(reader) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(
+            ("tokens", "token_type", "merges", "scores")
+        ):
+            continue  # large arrays the tokenizer loader reads itself
+        try:
+            out[key] = field.contents()
+        except Exception:
+            continue
+    return out
+
+
+def _gguf_config(reader) -> dict[str, Any]:
+    meta = _gguf_fields(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        return {"architectures": [f"gguf:{arch}"]}
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    tensor_names = {t.name for t in reader.tensors}
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return {
+        "architectures": [_GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
+        "head_dim": int(
+            get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads
+        ),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": arch == "qwen2",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+
+
+def load_generation_config(
+    path: str, is_gguf: bool, hf_config: dict[str, Any]
+) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """(EOS token ids, default sampling values) from generation_config.json or the config."""
+    gen: dict[str, Any] = {}
+    if not is_gguf:
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
+    eos = gen.get("eos_token_id", hf_config.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in gen}
+    if not gen.get("do_sample", True):
+        defaults = {}
+    return eos_ids, defaults
+
+
+# ---- weights ---------------------------------------------------------------------
+
+
+def iter_weights(
+    path: str, is_gguf: bool, hf_config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face parameter name, tensor) for every weight in the checkpoint."""
+    if is_gguf:
+        yield from _iter_gguf_weights(path, hf_config)
+    else:
+        yield from _iter_safetensors(path)
+
+
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {folder!r} has no .safetensors weights.")
+    for name in files:
+        file = os.path.join(folder, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"weight file {file!r} (listed in the index) is missing.")
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield key, f.get_tensor(key)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"cannot read weight file {file!r}: {e}") from e
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    stem, _, suffix = name.rpartition(".")  # suffix: weight | bias
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        mapped = _GGUF_LAYER_NAMES.get(part)
+        return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
+    mapped = _GGUF_TOP_NAMES.get(stem)
+    return f"{mapped}.{suffix}" if mapped else None
+
+
+def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp stores Llama q/k rows interleaved per rotary pair; undo that.
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _iter_gguf_weights(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    is_llama = hf_config.get("model_type") == "llama"
+    for tensor in reader.tensors:
+        name = _gguf_to_hf_name(tensor.name)
+        if name is None:
+            continue  # e.g. rope_freqs, recomputed from the config
+        try:
+            w = dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise ValueError(
+                f"GGUF {path!r}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {e}"
+            ) from e
+        w = np.array(
+            w.reshape(tuple(reversed(tensor.shape.tolist()))), dtype=np.float32
+        )  # owned, writable
+        if is_llama and name.endswith(("q_proj.weight", "k_proj.weight")):
+            key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
+            w = _unpermute_rope(w, hf_config[key])
+        yield name, torch.from_numpy(w)
+
+
+# ---- tokenizer -------------------------------------------------------------------
+
+
+def load_tokenizer(path: str, is_gguf: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        if is_gguf:
+            return AutoTokenizer.from_pretrained(
+                os.path.dirname(path) or ".", gguf_file=os.path.basename(path)
+            )
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"cannot load the tokenizer of {path!r}: {e}") from e

@@ -1,0 +1,9 @@
+"""Model registry: architecture name -> nn.Module class."""
+
+from pagoda.model_executor.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama with (optional) sliding window
+    "Qwen2ForCausalLM": LlamaForCausalLM,  # Llama with q/k/v bias
+}

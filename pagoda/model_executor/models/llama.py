@@ -1,0 +1,188 @@
+"""Llama, and the variants that only flip config switches: Mistral, Qwen2 (q/k/v bias), SmolLM.
+
+Flat token batches: every activation is [T, ...] with T the step's tokens
+across all requests. q/k/v and gate/up are fused into one matmul each; the
+loader maps Hugging Face's separate weights onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.model_executor.layers.attention import Attention
+from pagoda.model_executor.layers.layernorm import RMSNorm
+from pagoda.model_executor.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = (
+            bool(cfg.get("attention_bias", False)) or cfg["architectures"][0] == "Qwen2ForCausalLM"
+        )
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim,
+            cfg.get("max_position_embeddings", 2048),
+            cfg.get("rope_theta", 10000.0),
+            cfg.get("rope_scaling"),
+        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v)  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu).")
+        bias = bool(cfg.get("mlp_bias", False))
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # Hugging Face name fragment -> (fused parameter, shard index)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up.
+
+        Raises ValueError naming any parameter left unloaded or of the wrong shape.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for hf_part, (fused_part, shard) in self.stacked_params.items():
+                if hf_part in name:
+                    fused = name.replace(hf_part, fused_part)
+                    param = params[fused]
+                    sizes = self._shard_sizes(fused_part)
+                    offset = sum(sizes[:shard])
+                    target = param.data.narrow(0, offset, sizes[shard])
+                    self._copy(target, w, name)
+                    loaded.add(f"{fused}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(
+                        f"checkpoint weight {name!r} has no place in {type(self).__name__}."
+                    )
+                self._copy(params[name].data, w, name)
+                loaded.add(name)
+        expected = set()
+        for pname in params:
+            part = next((f for f, _ in self.stacked_params.values() if f in pname), None)
+            if part is None:
+                expected.add(pname)
+            else:
+                expected.update(f"{pname}#{i}" for i in range(len(self._shard_sizes(part))))
+        if self.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing weights: {', '.join(missing[:5])}"
+                + (" ..." if len(missing) > 5 else "")
+            )
+
+    def _shard_sizes(self, fused_part: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if fused_part == ".qkv_proj.":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [self.config["intermediate_size"]] * 2
+
+    @staticmethod
+    def _copy(target: torch.Tensor, w: torch.Tensor, name: str) -> None:
+        if target.shape != w.shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(target.shape)}."
+            )
+        target.copy_(w)

@@ -1,0 +1,144 @@
+"""The one place where scheduling decisions become tensors.
+
+Owns the model, the KV cache tensors (allocated once from a byte budget) and
+the sampling generator. Each step it turns a `SchedulerOutput` into flat
+tensors, runs the model once, computes logits only where a token is sampled,
+samples, and copies back exactly the sampled ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from pagoda.attention.context import AttentionMetadata, forward_context
+from pagoda.config import CacheConfig, ModelConfig
+from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagoda.model_executor import model_loader
+from pagoda.model_executor.models import MODEL_REGISTRY
+from pagoda.sample.sampler import SamplingTensors, sample
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        self.model_config = model_config
+        self.block_size = cache_config.block_size
+        self.dtype = _DTYPES[model_config.dtype]
+        self.device = torch.device("cpu")
+        cfg = model_config.hf_config
+        self.vocab_size = cfg["vocab_size"]
+        self.model = self._load_model(model_config)
+        self.num_blocks = self._allocate_kv_cache(cfg, cache_config.kv_cache_memory_bytes)
+        self.generator = torch.Generator(self.device).manual_seed(model_config.seed)
+
+    def _load_model(self, mc: ModelConfig) -> torch.nn.Module:
+        model = MODEL_REGISTRY[mc.architecture](mc.hf_config)  # float32 on the CPU
+        model.load_weights(model_loader.iter_weights(mc.path, mc.is_gguf, mc.hf_config))
+        return model.to(self.dtype).eval()
+
+    def _allocate_kv_cache(self, cfg: dict, budget_bytes: int) -> int:
+        layers = [m for m in self.model.modules() if type(m).__name__ == "Attention"]
+        attn = layers[0]
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = (
+            2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+        )
+        num_blocks = budget_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({budget_bytes}) is smaller than one block ({bytes_per_block} bytes)."
+            )
+        # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; zeroed so that
+        # masked-out slots never hold NaN (0 * NaN would leak through attention).
+        self.kv_cache = torch.zeros(
+            len(layers),
+            2,
+            num_blocks,
+            self.block_size,
+            attn.num_kv_heads,
+            attn.head_dim,
+            dtype=self.dtype,
+        )
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d bytes per token)",
+            num_blocks,
+            self.block_size,
+            num_blocks * bytes_per_block / 2**20,
+            bytes_per_block // self.block_size,
+        )
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Decodes (one query token) first: attention batches them in one call.
+        reqs = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)
+        input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)  # [T, hidden]
+        sampling = [(i, r) for i, r in enumerate(reqs) if r.sampling_params is not None]
+        if not sampling:
+            return ModelRunnerOutput([], [])
+        rows = torch.tensor([i for i, _ in sampling])
+        logits = self.model.compute_logits(hidden[cu_q[rows + 1] - 1]).float()  # [B, V]
+        sampled = [r for _, r in sampling]
+        self._apply_min_tokens(logits, sampled)
+        st = SamplingTensors.from_params(
+            [r.sampling_params for r in sampled],
+            [r.num_output_tokens for r in sampled],
+            self.vocab_size,
+        )
+        token_ids = sample(logits, st, self.generator)
+        return ModelRunnerOutput([r.request_id for r in sampled], token_ids.tolist())
+
+    def _prepare_inputs(self, reqs: list[ScheduledRequest]):
+        bs = self.block_size
+        query_lens = torch.tensor([len(r.token_ids) for r in reqs])
+        context_lens = torch.tensor([r.num_computed_tokens for r in reqs])
+        cu_q = torch.zeros(len(reqs) + 1, dtype=torch.int64)
+        torch.cumsum(query_lens, 0, out=cu_q[1:])
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_tables = torch.tensor(
+            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]
+        )
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in reqs)))
+        num_tokens = input_ids.shape[0]
+        # Per token: which request, and its position within that request's sequence.
+        req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
+        positions = torch.arange(num_tokens) - cu_q[req_idx] + context_lens[req_idx]
+        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+        num_decodes = int((query_lens == 1).sum())
+        seq_lens = context_lens + query_lens
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=num_decodes,
+            decode_block_tables=block_tables[:num_decodes],
+            decode_seq_lens=seq_lens[:num_decodes],
+            prefill_query_starts=cu_q[num_decodes:-1].tolist(),
+            prefill_query_lens=query_lens[num_decodes:].tolist(),
+            prefill_context_lens=context_lens[num_decodes:].tolist(),
+            prefill_block_tables=[
+                block_tables[i, : len(reqs[i].block_ids)] for i in range(num_decodes, len(reqs))
+            ],
+        )
+        return input_ids, positions, meta, cu_q
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+        """Forbid EOS and stop tokens for rows that have not reached min_tokens."""
+        rows, cols = [], []
+        for row, r in enumerate(reqs):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                stop_ids = ([] if p.ignore_eos else list(p.eos_token_ids)) + p.stop_token_ids
+                rows += [row] * len(stop_ids)
+                cols += stop_ids
+        if rows:
+            logits[rows, cols] = float("-inf")
