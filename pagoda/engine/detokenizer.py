@@ -30,8 +30,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.output_text = ""
 
-    def add_tokens(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string that matched, if any (the text is cut there)."""
+    def add_tokens(self, new_token_ids: list[int], last: bool = False) -> str | None:
+        """Append tokens; returns the stop string that matched, if any (the text is cut there).
+
+        `last` flushes text held back for an incomplete character: nothing follows.
+        """
         self.token_ids.extend(new_token_ids)
         decode = self.tokenizer.decode
         prefix = decode(
@@ -41,7 +44,7 @@ class IncrementalDetokenizer:
         full = decode(
             self.token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens
         )
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not last):
             return None  # an incomplete character: wait for the next token
         new_text = full[len(prefix) :]
         old_len = len(self.output_text)

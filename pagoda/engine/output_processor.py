@@ -79,7 +79,7 @@ class OutputProcessor:
             if state.first_token_time is None:
                 state.first_token_time = now
             state.output_token_ids.extend(out.new_token_ids)
-            stop_str = state.detokenizer.add_tokens(out.new_token_ids)
+            stop_str = state.detokenizer.add_tokens(out.new_token_ids, last=out.finish_reason is not None)
             if stop_str is not None and out.finish_reason is None:
                 state.finish_reason, state.stop_reason = "stop", stop_str
                 stopped.append(out.request_id)

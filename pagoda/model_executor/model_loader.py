@@ -8,6 +8,8 @@ Hugging Face names, so one model file serves both.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -78,7 +80,9 @@ def load_hf_config(path: str, is_gguf: bool) -> dict[str, Any]:
     return config
 
 
+@functools.lru_cache(maxsize=4)
 def _gguf_reader(path: str):
+    """One parse per file: config, weights and tokenizer all read it (it is memory-mapped)."""
     from gguf import GGUFReader
 
     try:
@@ -186,7 +190,7 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield key, f.get_tensor(key)
-        except (OSError, ValueError, RuntimeError) as e:
+        except Exception as e:  # safetensors raises its own error type on a bad header
             raise ValueError(f"cannot read weight file {file!r}: {e}") from e
 
 
@@ -255,10 +259,25 @@ def load_tokenizer(path: str, is_gguf: bool):
     from transformers import AutoTokenizer
 
     try:
-        if is_gguf:
-            return AutoTokenizer.from_pretrained(
-                os.path.dirname(path) or ".", gguf_file=os.path.basename(path)
-            )
-        return AutoTokenizer.from_pretrained(path)
+        if not is_gguf:
+            return AutoTokenizer.from_pretrained(path)
+        # Converting a GGUF vocabulary takes seconds; keep the result in the cache folder.
+        cached = _tokenizer_cache_dir(path)
+        if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+            return AutoTokenizer.from_pretrained(cached)
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        try:
+            tokenizer.save_pretrained(cached)
+        except OSError:
+            pass  # a read-only cache only costs time
+        return tokenizer
     except Exception as e:
         raise ValueError(f"cannot load the tokenizer of {path!r}: {e}") from e
+
+
+def _tokenizer_cache_dir(gguf_path: str) -> str:
+    from pagoda import envs
+
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return os.path.join(envs.cache_dir(), "tokenizers", key)

@@ -1,0 +1,152 @@
+"""The `pagoda` command: generate, chat (and, later, serve and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from pagoda import envs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every `EngineArgs` field as a --flag (vLLM's spelling), defaults from the dataclass."""
+    from pagoda.config import EngineArgs
+
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif f.name in ("kv_cache_memory_bytes", "max_model_len", "num_threads"):
+            parser.add_argument(flag, type=int, default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+
+
+def engine_args_from(ns: argparse.Namespace):
+    from pagoda.config import EngineArgs
+
+    kwargs = {
+        f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)
+    }
+    return EngineArgs(**kwargs)
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+
+
+def _sampling_params(ns: argparse.Namespace):
+    from pagoda import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+    )
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from pagoda import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    params = _sampling_params(ns)
+    prompts = ns.prompt
+    if ns.chat:
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False
+        )
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outputs:
+        print(out.outputs[0].text if ns.chat else (out.prompt or "") + out.outputs[0].text)
+        if len(outputs) > 1:
+            print("-" * 40)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from pagoda import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    engine = llm.llm_engine
+    params = _sampling_params(ns)
+    history: list[dict[str, str]] = []
+    if ns.system:
+        history.append({"role": "system", "content": ns.system})
+    print("pagoda chat: type a message, Ctrl-D to quit.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            user = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not user.strip():
+            continue
+        history.append({"role": "user", "content": user})
+        prompt = llm._render_chat(history, add_generation_prompt=True)
+        request_id = f"chat-{turn}"
+        turn += 1
+        engine.add_request(request_id, prompt, params)
+        printed = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                print(text[len(printed) :], end="", flush=True)
+                printed = text
+        print()
+        history.append({"role": "assistant", "content": printed})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagoda", description="pagoda: LLM inference and serving engine"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument(
+        "--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap each prompt in the model's chat template (default: on)",
+    )
+    _sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streamed to the terminal")
+    chat.add_argument("--model", default=None)
+    chat.add_argument("--system", default=None, help="a system message")
+    _sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagoda: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

