@@ -14,6 +14,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -40,6 +41,7 @@ class CacheConfig:
     block_size: int
     kv_cache_memory_bytes: int
     enable_prefix_caching: bool
+    swap_space_bytes: int  # host pool for swapped-out blocks; 0 unless preemption_mode is "swap"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
 
 
 @dataclass
@@ -63,6 +66,8 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     seed: int = 0
     num_threads: int | None = None
 
@@ -78,7 +83,7 @@ class EngineArgs:
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive(name)
-        for name in ("kv_cache_memory_bytes", "max_model_len", "num_threads"):
+        for name in ("kv_cache_memory_bytes", "max_model_len", "num_threads", "swap_space"):
             if getattr(self, name) is not None:
                 positive(name)
         if self.dtype not in DTYPES:
@@ -87,6 +92,10 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}."
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}."
             )
 
     def create_model_config(self) -> ModelConfig:
@@ -123,6 +132,7 @@ class EngineArgs:
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes or default_kv_cache_bytes(),
             enable_prefix_caching=self.enable_prefix_caching,
+            swap_space_bytes=self.swap_space if self.preemption_mode == "swap" else 0,
         )
 
     def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -131,6 +141,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
             scheduling_policy=self.scheduling_policy,
+            preemption_mode=self.preemption_mode,
         )
 
 

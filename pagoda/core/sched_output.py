@@ -19,6 +19,13 @@ class ScheduledRequest:
     # None for a prefill chunk that ends before the last known token: nothing to sample.
     sampling_params: SamplingParams | None
     num_output_tokens: int = 0
+    # Only for requests whose sampling looks at history (penalties, bad words):
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    # Only for requests asking prompt logprobs: the prompt tokens that this chunk's
+    # positions predict (position p scores token p + 1).
+    prompt_logprob_targets: list[int] | None = None
+    prompt_logprobs_n: int = 0  # top-N to report per prompt position
 
 
 @dataclass
@@ -26,6 +33,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Block moves to do before the forward, swap-outs first.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
 
     @property
     def is_empty(self) -> bool:
@@ -38,6 +49,10 @@ class ModelRunnerOutput:
 
     request_ids: list[str]
     sampled_token_ids: list[int]
+    # Per sampling request (same order), when any asked: (chosen id, {token id: (logprob, rank)})
+    logprobs: list[tuple[int, dict[int, tuple[float, int]]] | None] | None = None
+    # Request id -> per position of the chunk: {token id: (logprob, rank)}
+    prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] | None = None
 
 
 @dataclass
@@ -48,3 +63,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: tuple[int, dict[int, tuple[float, int]]] | None = None
+    prompt_logprobs: tuple[int, list[dict[int, tuple[float, int]]]] | None = (
+        None  # (start position, ...)
+    )

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagoda.config import SchedulerConfig
-from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -29,15 +29,25 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
-        self.num_preemptions = 0
+        # Parallel sampling: siblings wait here until their leader has computed
+        # all but the last prompt token, then share its blocks (fork).
+        self.fork_waiters: dict[str, list[Request]] = {}
+        self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
 
     # ---- queues -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork_siblings: Iterable[Request] = ()) -> None:
+        """Queue a request. `fork_siblings` (same prompt and params) will share its
+        prompt's blocks instead of computing the prompt again."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        siblings = list(fork_siblings)
+        for sibling in siblings:
+            self.requests[sibling.request_id] = sibling
+        if siblings:
+            self.fork_waiters[request.request_id] = siblings
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, or stop on a stop string) the given requests; unknown ids are ignored."""
@@ -48,29 +58,37 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request in self.waiting:
                 self.waiting.remove(request)
+            else:  # a sibling still waiting to fork
+                for siblings in self.fork_waiters.values():
+                    if request in siblings:
+                        siblings.remove(request)
             self._free(request, status)
             finished.append(request)
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        if self.config.scheduling_policy == "priority":
+            preempted += self._preempt_for_waiting(budget)
+        num_preempted_for_waiting = len(preempted)
 
         # Running requests first, in admission order; victims come from the tail,
         # so a request already scheduled this step is never preempted.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            while kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim(self.running[i:])
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -81,33 +99,46 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # Then waiting ones, unless this step already had to preempt.
+        # Then waiting ones, unless running requests had to be preempted to fit.
+        running_short = len(preempted) > num_preempted_for_waiting
         while (
             self.waiting
-            and not preempted
+            and not running_short
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self._peek_waiting()
-            hit_block_ids, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
-                hit_block_ids, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_block_ids) is None:
-                break
+            if kv.is_swapped(request):
+                num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+                if kv.swap_in(request, num_new) is None:
+                    break
+            else:
+                hit_block_ids, num_hit_tokens = [], 0
+                if request.sampling_params.prompt_logprobs is None:  # those need every position
+                    hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+                num_new = self._num_new_tokens(request, num_hit_tokens, budget)
+                if kv.allocate_slots(request, num_new, hit_block_ids) is None:
+                    break
+                request.num_computed_tokens = num_hit_tokens
             self.waiting.remove(request)
-            request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
+            if num_new == 0:  # a leader whose whole fork point was cached
+                self._fork(request)
+                continue
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
+        copies, swap_out, swap_in = kv.take_block_ops()
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
+            blocks_to_copy=copies,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
         )
 
     def update_from_output(
@@ -115,14 +146,30 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advance every scheduled request; append sampled tokens; finish the stopped."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
+        logprobs = dict(zip(runner_output.request_ids, runner_output.logprobs or (), strict=False))
+        prompt_logprobs = runner_output.prompt_logprobs or {}
         outputs = []
         for item in scheduler_output.scheduled:
             request = self.requests[item.request_id]
             request.num_computed_tokens += len(item.token_ids)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if request.num_computed_tokens <= request.num_prompt_tokens:
                 self.num_prompt_tokens_computed += len(item.token_ids)
+            if request.request_id in self.fork_waiters and self._at_fork_point(request):
+                self._fork(request)
             token_id = sampled.get(item.request_id)
             if token_id is None:
+                if item.request_id in prompt_logprobs:
+                    outputs.append(
+                        EngineCoreOutput(
+                            request.request_id,
+                            [],
+                            prompt_logprobs=(
+                                item.num_computed_tokens,
+                                prompt_logprobs[item.request_id],
+                            ),
+                        )
+                    )
                 continue
             request.append_output_token(token_id)
             self.num_generation_tokens += 1
@@ -136,11 +183,34 @@ class Scheduler:
                     [token_id],
                     request.status.finish_reason,
                     request.stop_reason,
+                    logprobs=logprobs.get(item.request_id),
+                    prompt_logprobs=(
+                        (item.num_computed_tokens, prompt_logprobs[item.request_id])
+                        if item.request_id in prompt_logprobs
+                        else None
+                    ),
                 )
             )
         return outputs
 
     # ---- policies -------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        limit = request.num_tokens
+        if request.request_id in self.fork_waiters:
+            limit = request.num_prompt_tokens - 1  # stop at the fork point
+        return min(limit - num_computed, budget)
+
+    def _at_fork_point(self, request: Request) -> bool:
+        return request.num_computed_tokens == request.num_prompt_tokens - 1
+
+    def _fork(self, leader: Request) -> None:
+        for sibling in self.fork_waiters.pop(leader.request_id, []):
+            self.kv_cache_manager.fork(leader, sibling)
+            sibling.num_computed_tokens = leader.num_computed_tokens
+            sibling.status = RequestStatus.RUNNING
+            sibling.first_scheduled_time = time.monotonic()
+            self.running.append(sibling)
 
     def _peek_waiting(self) -> Request:
         if self.config.scheduling_policy == "priority":
@@ -152,27 +222,70 @@ class Scheduler:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]  # the most recently admitted
 
+    def _preempt_for_waiting(self, budget: int) -> list[str]:
+        """Priority policy: preempt running requests of lower priority (higher value)
+        than the best waiting one until its first chunk would fit, leaving one block
+        of headroom per remaining running request for its own next token."""
+        if not self.waiting or not self.running:
+            return []
+        best = self._peek_waiting()
+        kv = self.kv_cache_manager
+        needed = cdiv(min(best.num_tokens, budget), kv.block_size)
+        preempted = []
+        while self.running:
+            victim = self._pick_victim(self.running)
+            if victim.priority <= best.priority:
+                break
+            if kv.block_pool.num_free_blocks >= needed + len(self.running):
+                break
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return preempted
+
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and put it back at the front of the queue;
-        it will recompute its tokens (prompt and outputs so far) when readmitted."""
+        """Take the request off the device and put it back at the front of the queue.
+
+        Swap mode moves its blocks to host memory (falling back to recompute when
+        the host pool is full); recompute mode frees them, and the request
+        recomputes its tokens (prompt and outputs so far) when readmitted.
+        """
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        if self.config.preemption_mode == "swap" and self.kv_cache_manager.swap_out(request):
+            self.num_preemptions["swap"] += 1
+        else:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            self.num_preemptions["recompute"] += 1
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        params = request.sampling_params
         samples = start + num_new == request.num_tokens
+        needs_history = params.needs_token_history
+        wants_prompt_logprobs = (
+            params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
+        )
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            sampling_params=request.sampling_params if samples else None,
+            sampling_params=params if samples else None,
             num_output_tokens=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids if needs_history and samples else None,
+            output_token_ids=request.output_token_ids if needs_history and samples else None,
+            # Each position's logprobs score the token after it.
+            prompt_logprob_targets=(
+                request.all_token_ids[
+                    start + 1 : min(start + num_new, request.num_prompt_tokens - 1) + 1
+                ]
+                if wants_prompt_logprobs
+                else None
+            ),
+            prompt_logprobs_n=params.prompt_logprobs or 0,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -193,18 +306,38 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        # A leader that leaves before its fork point hands its siblings to the queue.
+        for sibling in self.fork_waiters.pop(request.request_id, []):
+            self.waiting.append(sibling)
 
     def get_stats(self) -> dict[str, float]:
         kv = self.kv_cache_manager
+        used = kv.block_pool.num_used_blocks
+        allocated_slots = used * kv.block_size
+        empty_slots = sum(
+            len(kv.get_block_ids(r.request_id)) * kv.block_size - r.num_computed_tokens
+            for r in self.running
+        )
         return {
             "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
+            "num_requests_waiting": len(self.requests)
+            - len(self.running)
+            - len(kv.req_to_host_blocks),
+            "num_requests_swapped": len(kv.req_to_host_blocks),
             "num_blocks_total": kv.num_blocks,
-            "num_blocks_used": kv.block_pool.num_used_blocks,
+            "num_blocks_used": used,
             "kv_cache_usage_perc": 100.0 * kv.usage,
-            "num_preemptions": self.num_preemptions,
+            "kv_cache_fragmentation_perc": 100.0 * empty_slots / allocated_slots
+            if allocated_slots
+            else 0.0,
+            "num_preemptions": sum(self.num_preemptions.values()),
+            "num_preemptions_recompute": self.num_preemptions["recompute"],
+            "num_preemptions_swap": self.num_preemptions["swap"],
             "prompt_tokens": self.num_prompt_tokens_computed,
             "generation_tokens": self.num_generation_tokens,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
+            "prefix_cache_hit_rate": kv.prefix_cache_hits / kv.prefix_cache_queries
+            if kv.prefix_cache_queries
+            else 0.0,
         }

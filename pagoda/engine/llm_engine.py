@@ -47,7 +47,10 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.scheduler_config = engine_args.create_scheduler_config(max_model_len)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            num_host_blocks=self.model_runner.num_host_blocks,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.processor = Processor(self.tokenizer, model_config, max_model_len)
@@ -76,17 +79,22 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError (naming the field) on bad input."""
-        request, text = self.processor.process(request_id, prompt, params, priority, arrival_time)
+        """Validate and queue a request. Raises ValueError (naming the field) on bad input.
+
+        With `params.n > 1` the request runs as n children that share the
+        prompt's blocks; its RequestOutput carries n completions.
+        """
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        self.output_processor.add_request(request, text)
-        self.scheduler.add_request(request)
+        children, text = self.processor.process(request_id, prompt, params, priority, arrival_time)
+        self.output_processor.add_request(request_id, children, text)
+        self.scheduler.add_request(children[0], fork_siblings=children[1:])
 
     def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
         """Abort requests by id, freeing their blocks; unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        child_ids = [cid for rid in ids for cid in self.output_processor.child_ids(rid)]
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort_requests(ids)
 
     def step(self) -> list[RequestOutput]:
@@ -104,7 +112,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        return len(self.output_processor.states)
 
     def get_stats(self) -> dict[str, float]:
         return self.scheduler.get_stats()

@@ -59,17 +59,51 @@ class Processor:
         params: SamplingParams | None,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> tuple[Request, str | None]:
+    ) -> tuple[list[Request], str | None]:
+        """Returns (one Request per completion, prompt text). Child i of a request with
+        n > 1 has id "<request_id>#<i>" and, if seeded, seed + i."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}.")
         if params is None:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}.")
-        if not isinstance(priority, int):
+        if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported yet; submit one request per completion.")
+        for token_id in params.allowed_token_ids or ():
+            if token_id >= self.vocab_size:
+                raise ValueError(
+                    f"allowed_token_ids has id {token_id} outside the vocabulary [0, {self.vocab_size})."
+                )
+        for token_id in params.logit_bias or {}:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"logit_bias has id {token_id} outside the vocabulary [0, {self.vocab_size})."
+                )
         text, token_ids = self.tokenize_prompt(prompt)
-        params = dataclasses.replace(params, eos_token_ids=self.model_config.eos_token_ids)
-        return Request(request_id, token_ids, params, priority, arrival_time), text
+        params = dataclasses.replace(
+            params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            bad_words_token_ids=self._bad_words(params.bad_words),
+        )
+        if params.n == 1:
+            return [Request(request_id, token_ids, params, priority, arrival_time)], text
+        children = []
+        for i in range(params.n):
+            child_params = (
+                params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            )
+            children.append(
+                Request(f"{request_id}#{i}", token_ids, child_params, priority, arrival_time)
+            )
+        return children, text
+
+    def _bad_words(self, words: list[str] | None) -> list[list[int]]:
+        """Each bad word as token ids, with and without a leading space (as vLLM does)."""
+        out = []
+        for word in words or ():
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out

@@ -8,6 +8,7 @@ Hugging Face names, so one model file serves both.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -265,11 +266,11 @@ def load_tokenizer(path: str, is_gguf: bool):
         cached = _tokenizer_cache_dir(path)
         if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
             return AutoTokenizer.from_pretrained(cached)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-        try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            os.path.dirname(path) or ".", gguf_file=os.path.basename(path)
+        )
+        with contextlib.suppress(OSError):  # a read-only cache only costs time
             tokenizer.save_pretrained(cached)
-        except OSError:
-            pass  # a read-only cache only costs time
         return tokenizer
     except Exception as e:
         raise ValueError(f"cannot load the tokenizer of {path!r}: {e}") from e
@@ -279,5 +280,7 @@ def _tokenizer_cache_dir(gguf_path: str) -> str:
     from pagoda import envs
 
     st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
     return os.path.join(envs.cache_dir(), "tokenizers", key)

@@ -4,6 +4,10 @@ Greedy rows take the argmax. Random rows sample with the exponential race
 (argmax of probs / Exp(1) noise), which needs no cumsum or host sync; a row
 with a seed draws its noise from a generator seeded by (seed, output index),
 so its tokens do not depend on what else shares the batch, nor on preemption.
+
+Before that, in vLLM's order: allowed tokens, bad words and min_tokens
+(masks), logit bias, then repetition/frequency/presence penalties. Each piece
+is built only when some row in the batch asks for it.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.core.sched_output import ScheduledRequest
+
+NEG_INF = float("-inf")
 
 
 @dataclass
@@ -20,41 +26,128 @@ class SamplingTensors:
     """One step's sampling parameters, one row per sampling request."""
 
     temperature: torch.Tensor  # [B] float32; 0 rows are greedy
-    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled
-    top_p: torch.Tensor | None  # [B] float32
-    min_p: torch.Tensor | None  # [B] float32
-    all_greedy: bool
-    seeds: dict[int, int]  # row -> seed for this draw
+    top_k: torch.Tensor | None = None  # [B] int64, vocab size where disabled
+    top_p: torch.Tensor | None = None  # [B] float32
+    min_p: torch.Tensor | None = None  # [B] float32
+    all_greedy: bool = True
+    seeds: dict[int, int] | None = None  # row -> seed for this draw
+    allowed_mask: torch.Tensor | None = None  # [B, V] bool
+    banned: tuple[list[int], list[int]] | None = None  # (rows, token ids) set to -inf
+    bias: tuple[list[int], list[int], list[float]] | None = None  # (rows, token ids, values)
+    presence: torch.Tensor | None = None  # [B] (penalties present: all four set)
+    frequency: torch.Tensor | None = None  # [B]
+    repetition: torch.Tensor | None = None  # [B]
+    output_counts: torch.Tensor | None = None  # [B, V] float32
+    seen_mask: torch.Tensor | None = None  # [B, V] bool: in prompt or output
 
     @classmethod
-    def from_params(
-        cls, params: list[SamplingParams], num_output_tokens: list[int], vocab_size: int
-    ) -> SamplingTensors:
-        all_greedy = all(p.greedy for p in params)
-        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
-        if all_greedy:
-            return cls(temperature, None, None, None, True, {})
-        top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params])
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params])
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params])
-        seeds = {
-            row: _draw_seed(p.seed, n)
-            for row, (p, n) in enumerate(zip(params, num_output_tokens, strict=True))
-            if p.seed is not None and not p.greedy
-        }
-        return cls(temperature, top_k, top_p, min_p, False, seeds)
+    def from_requests(cls, reqs: list[ScheduledRequest], vocab_size: int) -> SamplingTensors:
+        params = [r.sampling_params for r in reqs]
+        st = cls(temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params]))
+        st.all_greedy = all(p.greedy for p in params)
+        if not st.all_greedy:
+            if any(p.top_k > 0 for p in params):
+                st.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params])
+            if any(p.top_p < 1.0 for p in params):
+                st.top_p = torch.tensor([p.top_p for p in params])
+            if any(p.min_p > 0.0 for p in params):
+                st.min_p = torch.tensor([p.min_p for p in params])
+            st.seeds = {
+                row: _draw_seed(p.seed, r.num_output_tokens)
+                for row, (p, r) in enumerate(zip(params, reqs, strict=True))
+                if p.seed is not None and not p.greedy
+            }
+        st._build_masks(reqs, vocab_size)
+        if any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
+        ):
+            st._build_penalties(reqs, vocab_size)
+        return st
+
+    def _build_masks(self, reqs: list[ScheduledRequest], vocab_size: int) -> None:
+        rows, cols = [], []
+        bias_rows, bias_cols, bias_vals = [], [], []
+        allowed = [(row, r.sampling_params.allowed_token_ids) for row, r in enumerate(reqs)]
+        allowed = [(row, ids) for row, ids in allowed if ids is not None]
+        for row, r in enumerate(reqs):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                stop_ids = ([] if p.ignore_eos else list(p.eos_token_ids)) + p.stop_token_ids
+                rows += [row] * len(stop_ids)
+                cols += stop_ids
+            for word in p.bad_words_token_ids:
+                out = r.output_token_ids or []
+                prefix = word[:-1]
+                if not prefix or out[len(out) - len(prefix) :] == prefix:
+                    rows.append(row)
+                    cols.append(word[-1])
+            if p.logit_bias:
+                for token_id, value in p.logit_bias.items():
+                    if 0 <= token_id < vocab_size:
+                        bias_rows.append(row)
+                        bias_cols.append(token_id)
+                        bias_vals.append(value)
+        if rows:
+            self.banned = (rows, cols)
+        if bias_rows:
+            self.bias = (bias_rows, bias_cols, bias_vals)
+        if allowed:
+            mask = torch.ones(len(reqs), vocab_size, dtype=torch.bool)
+            for row, ids in allowed:
+                mask[row] = False
+                mask[row, [t for t in ids if t < vocab_size]] = True
+            self.allowed_mask = mask
+
+    def _build_penalties(self, reqs: list[ScheduledRequest], vocab_size: int) -> None:
+        params = [r.sampling_params for r in reqs]
+        self.presence = torch.tensor([p.presence_penalty for p in params])
+        self.frequency = torch.tensor([p.frequency_penalty for p in params])
+        self.repetition = torch.tensor([p.repetition_penalty for p in params])
+        outputs = [r.output_token_ids or [] for r in reqs]
+        prompts = [r.prompt_token_ids or [] for r in reqs]
+        self.output_counts = _counts(outputs, vocab_size)
+        self.seen_mask = (self.output_counts > 0) | (_counts(prompts, vocab_size) > 0)
+
+
+def _counts(token_lists: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 occurrence counts; one scatter for the whole batch."""
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab_size + 1)
+    if width:
+        # Pad with a dummy column (vocab_size) that is dropped afterwards.
+        ids = torch.tensor([t + [vocab_size] * (width - len(t)) for t in token_lists])
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
 
 
 def _draw_seed(seed: int, output_index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + output_index) % (1 << 63)
 
 
+def apply_logits_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Masks, bias and penalties; returns logits (a new tensor if anything applied)."""
+    if st.allowed_mask is not None:
+        logits = logits.masked_fill(~st.allowed_mask, NEG_INF)
+    if st.banned is not None:
+        logits = logits.clone() if st.allowed_mask is None else logits
+        logits[st.banned] = NEG_INF
+    if st.bias is not None:
+        rows, cols, vals = st.bias
+        logits = logits.index_put(
+            (torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals), accumulate=True
+        )
+    if st.repetition is not None:
+        rep = st.repetition.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(st.seen_mask, penalized, logits)
+        logits = logits - st.frequency.unsqueeze(1) * st.output_counts
+        logits = logits - st.presence.unsqueeze(1) * (st.output_counts > 0)
+    return logits
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
     """logits: [B, V] float32 -> token ids [B] int64."""
+    logits = apply_logits_processors(logits, st)
     greedy_ids = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy_ids
@@ -67,7 +160,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator
         threshold = st.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, seed in st.seeds.items():
+    for row, seed in (st.seeds or {}).items():
         noise[row].exponential_(generator=torch.Generator().manual_seed(seed))
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, greedy_ids, sampled)
@@ -81,10 +174,35 @@ def apply_top_k_top_p(
     vocab = logits.shape[-1]
     if top_k is not None:
         kth = sorted_logits.gather(1, (vocab - top_k).clamp(min=0).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
     if top_p is not None:
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= (1.0 - top_p).unsqueeze(1)
         drop[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
     return torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, num_top: list[int]
+) -> list[tuple[int, dict[int, tuple[float, int]]]]:
+    """Per row: (chosen id, {token id: (logprob, rank)}) with the chosen token and the top-N.
+
+    logits [B, V] raw model logits; chosen [B]; num_top[b] = N for row b.
+    """
+    logprobs = logits.log_softmax(dim=-1)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [B, 1]
+    ranks = (logprobs > chosen_lp).sum(dim=1) + 1
+    k = max(num_top)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
+    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
+    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+    out = []
+    for b, n in enumerate(num_top):
+        entry = {
+            tid: (lp, i + 1)
+            for i, (tid, lp) in enumerate(zip(top_ids_l[b][:n], top_lp_l[b][:n], strict=True))
+        }
+        entry[chosen_l[b]] = (chosen_lp_l[b], ranks_l[b])
+        out.append((chosen_l[b], entry))
+    return out

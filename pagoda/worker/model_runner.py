@@ -18,7 +18,7 @@ from pagoda.config import CacheConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.model_executor import model_loader
 from pagoda.model_executor.models import MODEL_REGISTRY
-from pagoda.sample.sampler import SamplingTensors, sample
+from pagoda.sample.sampler import SamplingTensors, compute_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,12 @@ class ModelRunner:
         self.vocab_size = cfg["vocab_size"]
         self.model = self._load_model(model_config)
         self.num_blocks = self._allocate_kv_cache(cfg, cache_config.kv_cache_memory_bytes)
+        # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
+        self.num_host_blocks = cache_config.swap_space_bytes // self.bytes_per_block
+        self.host_kv_cache = torch.zeros(
+            (*self.kv_cache.shape[:2], self.num_host_blocks, *self.kv_cache.shape[3:]),
+            dtype=self.dtype,
+        )
         self.generator = torch.Generator(self.device).manual_seed(model_config.seed)
 
     def _load_model(self, mc: ModelConfig) -> torch.nn.Module:
@@ -49,6 +55,7 @@ class ModelRunner:
         bytes_per_block = (
             2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
         )
+        self.bytes_per_block = bytes_per_block
         num_blocks = budget_bytes // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -78,25 +85,66 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._move_blocks(sched)
         # Decodes (one query token) first: attention batches them in one call.
         reqs = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)
+        if not reqs:
+            return ModelRunnerOutput([], [])
         input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)  # [T, hidden]
+        prompt_logprobs = self._prompt_logprobs(reqs, hidden, cu_q)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sampling_params is not None]
         if not sampling:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         rows = torch.tensor([i for i, _ in sampling])
         logits = self.model.compute_logits(hidden[cu_q[rows + 1] - 1]).float()  # [B, V]
         sampled = [r for _, r in sampling]
-        self._apply_min_tokens(logits, sampled)
-        st = SamplingTensors.from_params(
-            [r.sampling_params for r in sampled],
-            [r.num_output_tokens for r in sampled],
-            self.vocab_size,
-        )
+        st = SamplingTensors.from_requests(sampled, self.vocab_size)
         token_ids = sample(logits, st, self.generator)
-        return ModelRunnerOutput([r.request_id for r in sampled], token_ids.tolist())
+        logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in sampled):
+            num_top = [r.sampling_params.logprobs or 0 for r in sampled]
+            logprobs = compute_logprobs(logits, token_ids, num_top)
+            logprobs = [
+                lp if r.sampling_params.logprobs is not None else None
+                for lp, r in zip(logprobs, sampled, strict=True)
+            ]
+        return ModelRunnerOutput(
+            [r.request_id for r in sampled],
+            token_ids.tolist(),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        """Swap-outs first (their device blocks may be reused this step), then swap-ins, then copies."""
+        if sched.blocks_to_swap_out:
+            dev, host = zip(*sched.blocks_to_swap_out, strict=True)
+            self.host_kv_cache[:, :, list(host)] = self.kv_cache[:, :, list(dev)]
+        if sched.blocks_to_swap_in:
+            host, dev = zip(*sched.blocks_to_swap_in, strict=True)
+            self.kv_cache[:, :, list(dev)] = self.host_kv_cache[:, :, list(host)]
+        if sched.blocks_to_copy:
+            src, dst = zip(*sched.blocks_to_copy, strict=True)
+            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+
+    def _prompt_logprobs(
+        self, reqs: list[ScheduledRequest], hidden: torch.Tensor, cu_q: torch.Tensor
+    ):
+        """For requests asking prompt logprobs: each chunk position scores the next prompt token."""
+        out = {}
+        for i, r in enumerate(reqs):
+            if not r.prompt_logprob_targets:
+                continue
+            start = int(cu_q[i])
+            targets = torch.tensor(r.prompt_logprob_targets)
+            logits = self.model.compute_logits(hidden[start : start + len(targets)]).float()
+            n = r.prompt_logprobs_n
+            out[r.request_id] = [
+                entry for _, entry in compute_logprobs(logits, targets, [n] * len(targets))
+            ]
+        return out or None
 
     def _prepare_inputs(self, reqs: list[ScheduledRequest]):
         bs = self.block_size
@@ -129,16 +177,3 @@ class ModelRunner:
             ],
         )
         return input_ids, positions, meta, cu_q
-
-    @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
-        """Forbid EOS and stop tokens for rows that have not reached min_tokens."""
-        rows, cols = [], []
-        for row, r in enumerate(reqs):
-            p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
-                stop_ids = ([] if p.ignore_eos else list(p.eos_token_ids)) + p.stop_token_ids
-                rows += [row] * len(stop_ids)
-                cols += stop_ids
-        if rows:
-            logits[rows, cols] = float("-inf")

@@ -1,0 +1,143 @@
+"""Prometheus metrics for one engine, vLLM's names with the `pagoda:` prefix.
+
+Every `EngineMetrics` owns its own `CollectorRegistry` (no global state), so
+two engines or two servers can live in one process. Two kinds of values:
+
+- measured per request by the async engine (`observe_*`): latencies, token
+  counts, finished requests; prometheus_client's own Counter/Histogram, which
+  are thread-safe (the engine thread records them, the HTTP thread scrapes);
+- owned by the engine (`num_requests_running`, KV usage, preemptions, prefix
+  cache counters): read at scrape time from the latest stats snapshot through
+  `stats_fn`, so they are never copied twice nor out of step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets, so dashboards built for it read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+# Engine stats key -> (metric name, help). Gauges are read as they are.
+_GAUGES = {
+    "num_requests_running": ("pagoda:num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("pagoda:num_requests_waiting", "Requests waiting to be scheduled."),
+    "num_requests_swapped": ("pagoda:num_requests_swapped", "Requests swapped out to host memory."),
+    "kv_cache_usage_perc": ("pagoda:kv_cache_usage_perc", "KV cache usage, percent of blocks."),
+    "num_blocks_used": ("pagoda:num_blocks_used", "KV cache blocks in use by requests."),
+    "num_blocks_total": ("pagoda:num_blocks_total", "KV cache blocks in all."),
+}
+# Engine stats key -> (metric name without _total, help). Cumulative in the engine.
+_COUNTERS = {
+    "num_preemptions": ("pagoda:num_preemptions", "Preemptions since start."),
+    "prefix_cache_queries": ("pagoda:prefix_cache_queries", "Prefix cache queries, in tokens."),
+    "prefix_cache_hits": ("pagoda:prefix_cache_hits", "Prefix cache hits, in tokens."),
+}
+
+
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            value = m * scale
+            if value > max_model_len:
+                return tuple(float(b) for b in buckets)
+            buckets.append(value)
+        scale *= 10
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, model_name: str, stats_fn: Callable[[], Mapping[str, float]]) -> None:
+        self.model_name = model_name
+        self.stats_fn = stats_fn
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats_fn()
+        for key, (name, doc) in _GAUGES.items():
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
+        for key, (name, doc) in _COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # names are fixed; nothing to check at registration
+
+
+class EngineMetrics:
+    """The metrics of one engine, in their own registry; `render()` is the /metrics body."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        stats_fn: Callable[[], Mapping[str, float]] | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        kw = {"labelnames": labels, "registry": self.registry}
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, **kw).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, **kw).labels(model_name)
+
+        self.prompt_tokens = counter("pagoda:prompt_tokens", "Prompt tokens of started requests.")
+        self.generation_tokens = counter("pagoda:generation_tokens", "Generated tokens.")
+        self._success = Counter(
+            "pagoda:request_success",
+            "Finished requests, by finish reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)  # present (at 0) from the start
+        self.ttft = histogram(
+            "pagoda:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "pagoda:inter_token_latency_seconds", "Time between output steps.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "pagoda:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "pagoda:request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+        )
+        buckets = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "pagoda:request_prompt_tokens", "Prompt length of finished requests.", buckets
+        )
+        self.request_generation_tokens = histogram(
+            "pagoda:request_generation_tokens", "Generated tokens of finished requests.", buckets
+        )
+        if stats_fn is not None:
+            self.registry.register(_EngineStatsCollector(model_name, stats_fn))
+
+    def observe_finished(
+        self, finished_reason: str, num_prompt_tokens: int, num_generation_tokens: int, e2e: float
+    ) -> None:
+        self._success.labels(self.model_name, finished_reason or "abort").inc()
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        self.e2e.observe(e2e)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric in this registry."""
+        return generate_latest(self.registry)
