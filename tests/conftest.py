@@ -80,10 +80,7 @@ def make_model(folder: str, arch: str, **overrides):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
-    return {
-        arch: make_model(str(root / arch), arch)
-        for arch in ("llama", "mistral", "qwen2")
-    }
+    return {arch: make_model(str(root / arch), arch) for arch in ("llama", "mistral", "qwen2")}
 
 
 @pytest.fixture(scope="session")

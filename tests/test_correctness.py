@@ -15,7 +15,9 @@ MAX_TOKENS = 24
 
 
 @functools.cache
-def hf_greedy(folder: str, prompts: tuple[tuple[int, ...], ...], max_tokens: int) -> list[list[int]]:
+def hf_greedy(
+    folder: str, prompts: tuple[tuple[int, ...], ...], max_tokens: int
+) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -23,7 +25,9 @@ def hf_greedy(folder: str, prompts: tuple[tuple[int, ...], ...], max_tokens: int
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
+            )
             outs.append(out[0, len(prompt) :].tolist())
     return outs
 
@@ -96,10 +100,14 @@ def test_seeded_sampling_is_reproducible(tiny_llama):
     prompt = {"prompt_token_ids": tiny_prompts(llm.get_tokenizer(), n=1, seed=3)[0]}
 
     def run(seed, with_others: bool):
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=20, ignore_eos=True)
+        params = SamplingParams(
+            temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=20, ignore_eos=True
+        )
         batch = [prompt]
         if with_others:
-            others = [{"prompt_token_ids": p} for p in tiny_prompts(llm.get_tokenizer(), n=5, seed=4)]
+            others = [
+                {"prompt_token_ids": p} for p in tiny_prompts(llm.get_tokenizer(), n=5, seed=4)
+            ]
             batch = others[:2] + [prompt] + others[2:]
         params_list = [SamplingParams(temperature=1.5, max_tokens=30)] * len(batch)
         i = batch.index(prompt)
@@ -142,7 +150,9 @@ def test_stop_conditions(tiny_llama):
     assert out.token_ids == tokens[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     out = llm.generate(
-        {"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+        {"prompt_token_ids": prompts[0]},
+        SamplingParams(temperature=0, max_tokens=3),
+        use_tqdm=False,
     )[0].outputs[0]
     assert out.token_ids == tokens[:3] and out.finish_reason == "length"
 
@@ -152,11 +162,19 @@ def test_min_tokens_and_ignore_eos(tiny_llama):
     eos = llm.llm_engine.model_config.eos_token_ids[0]
     prompt = {"prompt_token_ids": tiny_prompts(llm.get_tokenizer(), n=1, seed=9)[0]}
     # Forcing EOS to be the only allowed... instead: a stop id that is the greedy first token.
-    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids[0]
+    first = (
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids[0]
+    )
     out = llm.generate(
-        prompt, SamplingParams(temperature=0, max_tokens=10, min_tokens=4, stop_token_ids=[first]), use_tqdm=False
+        prompt,
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=4, stop_token_ids=[first]),
+        use_tqdm=False,
     )[0].outputs[0]
     assert len(out.token_ids) >= 4 and first not in out.token_ids[:4]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length"
     assert eos in llm.llm_engine.model_config.eos_token_ids

@@ -10,13 +10,15 @@ import shutil
 
 import pytest
 
-from pagoda import EngineArgs, LLM, LLMEngine, RequestOutput, SamplingParams
+from pagoda import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
 from tests.conftest import tiny_prompts
 
 
 @functools.cache
 def _engine(folder: str) -> LLMEngine:
-    return LLMEngine.from_engine_args(EngineArgs(model=folder, dtype="float32", kv_cache_memory_bytes=1 << 24))
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=folder, dtype="float32", kv_cache_memory_bytes=1 << 24)
+    )
 
 
 def _drain(engine: LLMEngine) -> dict[str, RequestOutput]:
@@ -62,7 +64,11 @@ def test_abort_waiting_request_frees_nothing_twice(tiny_llama):
 
 def test_request_output_fields(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 24)
-    outs = llm.generate(["Hello world", {"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    outs = llm.generate(
+        ["Hello world", {"prompt_token_ids": [5, 6, 7]}],
+        SamplingParams(temperature=0, max_tokens=5),
+        use_tqdm=False,
+    )
     assert [o.prompt for o in outs] == ["Hello world", None]
     assert outs[1].prompt_token_ids == [5, 6, 7]
     tok = llm.get_tokenizer()
@@ -74,10 +80,18 @@ def test_request_output_fields(tiny_llama):
 
 def test_chat_uses_template(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 24)
-    out = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Hello"}],
+        SamplingParams(temperature=0, max_tokens=4),
+        use_tqdm=False,
+    )[0]
     tok = llm.get_tokenizer()
-    assert out.prompt_token_ids == tok.encode("<|user|>Hello</s><|assistant|>", add_special_tokens=False)
-    two = llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], use_tqdm=False)
+    assert out.prompt_token_ids == tok.encode(
+        "<|user|>Hello</s><|assistant|>", add_special_tokens=False
+    )
+    two = llm.chat(
+        [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], use_tqdm=False
+    )
     assert len(two) == 2
 
 
@@ -102,7 +116,9 @@ def test_bad_sampling_params_name_the_field(field, kwargs):
 
 def test_bad_requests_leave_engine_usable(tiny_llama):
     engine = _engine(tiny_llama)
-    engine.add_request("good", "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.add_request(
+        "good", "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
     with pytest.raises(ValueError, match="prompt"):
         engine.add_request("empty", "", SamplingParams())
     with pytest.raises(ValueError, match="prompt"):
@@ -168,9 +184,15 @@ def test_sharded_safetensors(tiny_llama, tmp_path):
     sharded = tmp_path / "sharded"
     shutil.copytree(tiny_llama, sharded)
     os.remove(sharded / "model.safetensors")
-    AutoModelForCausalLM.from_pretrained(tiny_llama).save_pretrained(sharded, max_shard_size="100KB")
+    AutoModelForCausalLM.from_pretrained(tiny_llama).save_pretrained(
+        sharded, max_shard_size="100KB"
+    )
     assert (sharded / "model.safetensors.index.json").exists()
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    a = LLM(str(sharded), dtype="float32", kv_cache_memory_bytes=1 << 24).generate("Hello world", params, use_tqdm=False)
-    b = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 24).generate("Hello world", params, use_tqdm=False)
+    a = LLM(str(sharded), dtype="float32", kv_cache_memory_bytes=1 << 24).generate(
+        "Hello world", params, use_tqdm=False
+    )
+    b = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 24).generate(
+        "Hello world", params, use_tqdm=False
+    )
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids

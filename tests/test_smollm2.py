@@ -45,9 +45,17 @@ def test_smollm2_gguf_matches_hf(gguf_path):
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
     ).eval()
     for conv, out in zip(convs, outs, strict=True):
-        ids = torch.tensor([tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)])
+        ids = torch.tensor(
+            [
+                tok.apply_chat_template(
+                    conv, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            ]
+        )
         assert ids[0].tolist() == out.prompt_token_ids
         with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+            ref = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+            )
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), conv
     assert "Paris" in outs[0].outputs[0].text
