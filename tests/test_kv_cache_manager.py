@@ -28,9 +28,10 @@ def snapshot(manager: KVCacheManager):
     )
 
 
-def compute(request: Request, num_tokens: int) -> None:
+def compute(manager: KVCacheManager, request: Request, num_tokens: int) -> None:
     """What the scheduler does after the runner computed `num_tokens` more tokens."""
     request.num_computed_tokens += num_tokens
+    manager.cache_blocks(request, request.num_computed_tokens)
 
 
 def test_cdiv():
@@ -53,7 +54,7 @@ def test_allocate_slots_returns_exact_new_ids():
     assert m.get_block_ids("a") == [0, 1, 2]
     assert m.block_pool.ref_cnts == [1, 1, 1, 0, 0, 0]
     assert free_ids(m) == [3, 4, 5]
-    compute(a, 10)
+    compute(m, a, 10)
     # Tokens 10 and 11 still fit in block 2.
     assert m.allocate_slots(a, 2) == []
     assert m.get_block_ids("a") == [0, 1, 2]
@@ -67,12 +68,22 @@ def test_allocate_slots_returns_exact_new_ids():
 def test_allocate_slots_in_chunks():
     m = KVCacheManager(num_blocks=6, block_size=BS)
     a = make_request("a", list(range(11)))
+    h0 = hash_block(None, (0, 1, 2, 3))
+    h1 = hash_block(h0, (4, 5, 6, 7))
     assert m.allocate_slots(a, 3) == [0]
-    compute(a, 3)
+    compute(m, a, 3)
+    assert m.block_pool.cached_blocks == {}
     assert m.allocate_slots(a, 3) == [1]  # tokens 3..5
-    compute(a, 3)
+    compute(m, a, 3)
+    assert m.block_pool.cached_blocks == {h0: 0}
     assert m.allocate_slots(a, 5) == [2]  # tokens 6..10
     assert m.get_block_ids("a") == [0, 1, 2]
+    compute(m, a, 5)
+    assert m.block_pool.cached_blocks == {h0: 0, h1: 1}
+    assert m.block_pool.block_hashes == [h0, h1, None, None, None, None]
+    # Caching is idempotent.
+    m.cache_blocks(a, 11)
+    assert m.block_pool.cached_blocks == {h0: 0, h1: 1}
 
 
 def test_allocate_slots_short_returns_none_and_allocates_nothing():
@@ -86,7 +97,8 @@ def test_allocate_slots_short_returns_none_and_allocates_nothing():
     assert "b" not in m.req_to_blocks
     assert m.get_block_ids("b") == []
     # A running request that cannot grow keeps the blocks it has.
-    compute(a, 20)
+    compute(m, a, 20)
+    before = snapshot(m)
     assert m.allocate_slots(a, 5) is None  # needs 2 more blocks, 1 free
     assert snapshot(m) == before
     assert m.allocate_slots(a, 4) == [5]
@@ -100,13 +112,16 @@ def test_prefix_cache_hits():
     a = make_request("a", prompt)
     assert m.get_computed_blocks(a) == ([], 0)
     assert m.allocate_slots(a, 10) == [0, 1, 2]
+    # Allocated is not computed: nothing findable yet.
+    assert m.block_pool.cached_blocks == {}
+    assert m.get_computed_blocks(make_request("x", prompt)) == ([], 0)
+    compute(m, a, 10)
     # Only the two full blocks are cached.
     assert m.block_pool.cached_blocks == {
         hash_block(None, (0, 1, 2, 3)): 0,
         hash_block(hash_block(None, (0, 1, 2, 3)), (4, 5, 6, 7)): 1,
     }
     assert m.block_pool.block_hashes[2] is None
-    compute(a, 10)
 
     b = make_request("b", prompt)
     assert m.get_computed_blocks(b) == ([0, 1], 8)
@@ -123,16 +138,15 @@ def test_prefix_cache_hits():
     # A shorter prompt: only full blocks before the last token count.
     d = make_request("d", list(range(5)))
     assert m.get_computed_blocks(d) == ([0], 4)
-
-    assert m.prefix_cache_queries == 10 + 10 + 13 + 5
-    assert m.prefix_cache_hits == 0 + 8 + 8 + 4
+    # Lookups alone count nothing: the scheduler records admitted ones.
+    assert m.prefix_cache_queries == m.prefix_cache_hits == 0
 
 
 def test_at_least_one_token_is_left_to_compute():
     m = KVCacheManager(num_blocks=8, block_size=BS)
     a = make_request("a", list(range(12)))
     m.allocate_slots(a, 12)
-    compute(a, 12)
+    compute(m, a, 12)
     assert len(m.block_pool.cached_blocks) == 3
     # The whole prompt is cached, but its last block is left to compute.
     b = make_request("b", list(range(12)))
@@ -147,22 +161,30 @@ def test_hits_follow_the_chain():
     m = KVCacheManager(num_blocks=8, block_size=BS)
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     m.allocate_slots(a, 9)
-    compute(a, 9)
+    compute(m, a, 9)
     # Same second block, different first: no hit on the second either.
     b = make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])
     assert m.get_computed_blocks(b) == ([], 0)
     # A block equal to a's first, in second place: no hit (it is chained to another parent).
     c = make_request("c", [1, 2, 3, 4, 1, 2, 3, 4, 9])
     assert m.get_computed_blocks(c) == ([0], 4)
-    assert m.prefix_cache_queries == 18
-    assert m.prefix_cache_hits == 4
+
+
+def test_record_prefix_lookup_counts_only_with_caching():
+    m = KVCacheManager(num_blocks=8, block_size=BS)
+    m.record_prefix_lookup(10, 8)
+    m.record_prefix_lookup(5, 0)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits) == (15, 8)
+    off = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=False)
+    off.record_prefix_lookup(10, 0)
+    assert (off.prefix_cache_queries, off.prefix_cache_hits) == (0, 0)
 
 
 def test_free_puts_tail_first_at_the_back():
     m = KVCacheManager(num_blocks=6, block_size=BS)
     a = make_request("a", list(range(10)))
     assert m.allocate_slots(a, 10) == [0, 1, 2]
-    compute(a, 10)
+    compute(m, a, 10)
     m.free(a)
     assert free_ids(m) == [3, 4, 5, 2, 1, 0]
     assert m.block_pool.ref_cnts == [0] * 6
@@ -191,7 +213,7 @@ def test_shared_blocks_stay_used_until_the_last_owner_frees():
     prompt = list(range(9))
     a = make_request("a", prompt)
     assert m.allocate_slots(a, 9) == [0, 1, 2]
-    compute(a, 9)
+    compute(m, a, 9)
     b = make_request("b", prompt)
     hits, num_hit_tokens = m.get_computed_blocks(b)
     assert (hits, num_hit_tokens) == ([0, 1], 8)
@@ -209,7 +231,7 @@ def test_hits_on_freed_blocks_come_back_from_the_free_queue():
     prompt = list(range(10))
     a = make_request("a", prompt)
     assert m.allocate_slots(a, 10) == [0, 1, 2]
-    compute(a, 10)
+    compute(m, a, 10)
     m.free(a)
     assert free_ids(m) == [3, 4, 2, 1, 0]
     b = make_request("b", prompt)
@@ -226,7 +248,7 @@ def test_hits_in_the_free_queue_count_against_free_blocks():
     prompt = list(range(9))
     a = make_request("a", prompt)
     assert m.allocate_slots(a, 9) == [0, 1, 2]
-    compute(a, 9)
+    compute(m, a, 9)
     m.free(a)
     assert free_ids(m) == [2, 1, 0]
     b = make_request("b", prompt + [50, 51, 52, 53])  # 13 tokens: 4 blocks
@@ -247,12 +269,13 @@ def test_decoded_blocks_are_cached_when_full():
     m = KVCacheManager(num_blocks=6, block_size=BS)
     a = make_request("a", [7, 7, 7])
     assert m.allocate_slots(a, 3) == [0]
-    compute(a, 3)
+    compute(m, a, 3)
     assert m.block_pool.cached_blocks == {}
     a.append_output_token(8)  # the token sampled from the prompt
     assert m.allocate_slots(a, 1) == []  # token 3 fills block 0
+    assert m.block_pool.cached_blocks == {}
+    compute(m, a, 1)
     assert m.block_pool.cached_blocks == {hash_block(None, (7, 7, 7, 8)): 0}
-    compute(a, 1)
     a.append_output_token(9)
     # A new request whose prompt is a's tokens so far hits the decoded block.
     b = make_request("b", [7, 7, 7, 8, 9])
@@ -264,7 +287,7 @@ def test_caching_disabled_gives_no_hits():
     prompt = list(range(10))
     a = make_request("a", prompt)
     assert m.allocate_slots(a, 10) == [0, 1, 2]
-    compute(a, 10)
+    compute(m, a, 10)
     assert m.block_pool.cached_blocks == {}
     assert m.block_pool.block_hashes == [None] * 6
     b = make_request("b", prompt)

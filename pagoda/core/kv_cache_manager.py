@@ -83,10 +83,13 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        num_hit_tokens = len(block_ids) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return block_ids, num_hit_tokens
+        return block_ids, len(block_ids) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup (a failed admission retries, uncounted)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_block_ids: list[int] = ()

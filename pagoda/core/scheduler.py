@@ -79,6 +79,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         if self.config.scheduling_policy == "priority":
+            # Most important first, so that victims (taken from the tail) are the least.
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
             preempted += self._preempt_for_waiting(budget)
         num_preempted_for_waiting = len(preempted)
 
@@ -108,6 +110,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self._peek_waiting()
+            if request.request_id in preempted:
+                break  # never readmit in the step that preempted it
             if kv.is_swapped(request):
                 num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
                 if kv.swap_in(request, num_new) is None:
@@ -119,6 +123,8 @@ class Scheduler:
                 num_new = self._num_new_tokens(request, num_hit_tokens, budget)
                 if kv.allocate_slots(request, num_new, hit_block_ids) is None:
                     break
+                if request.sampling_params.prompt_logprobs is None:
+                    kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
                 request.num_computed_tokens = num_hit_tokens
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -151,10 +157,13 @@ class Scheduler:
         outputs = []
         for item in scheduler_output.scheduled:
             request = self.requests[item.request_id]
+            start = request.num_computed_tokens
             request.num_computed_tokens += len(item.token_ids)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens <= request.num_prompt_tokens:
-                self.num_prompt_tokens_computed += len(item.token_ids)
+            prompt_len = request.num_prompt_tokens
+            self.num_prompt_tokens_computed += min(request.num_computed_tokens, prompt_len) - min(
+                start, prompt_len
+            )
             if request.request_id in self.fork_waiters and self._at_fork_point(request):
                 self._fork(request)
             token_id = sampled.get(item.request_id)
@@ -224,19 +233,27 @@ class Scheduler:
 
     def _preempt_for_waiting(self, budget: int) -> list[str]:
         """Priority policy: preempt running requests of lower priority (higher value)
-        than the best waiting one until its first chunk would fit, leaving one block
-        of headroom per remaining running request for its own next token."""
-        if not self.waiting or not self.running:
+        than the best waiting one until its first chunk fits beside what the
+        remaining running requests need this step."""
+        if not self.waiting or not self.running or len(self.running) > self.config.max_num_seqs:
             return []
         best = self._peek_waiting()
         kv = self.kv_cache_manager
-        needed = cdiv(min(best.num_tokens, budget), kv.block_size)
+        bs = kv.block_size
+
+        def blocks_needed(r: Request) -> int:
+            end = min(r.num_tokens, r.num_computed_tokens + budget)
+            return max(0, cdiv(end, bs) - len(kv.get_block_ids(r.request_id)))
+
+        needed = cdiv(min(best.num_tokens, budget), bs)
         preempted = []
         while self.running:
-            victim = self._pick_victim(self.running)
+            victim = self.running[-1]  # sorted: the least important
             if victim.priority <= best.priority:
                 break
-            if kv.block_pool.num_free_blocks >= needed + len(self.running):
+            running_need = sum(blocks_needed(r) for r in self.running)
+            fits = kv.block_pool.num_free_blocks >= needed + running_need
+            if fits and len(self.running) < self.config.max_num_seqs:
                 break
             self._preempt(victim)
             preempted.append(victim.request_id)
