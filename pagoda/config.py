@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -25,6 +26,7 @@ class ModelConfig:
     is_gguf: bool
     hf_config: dict[str, Any] = field(repr=False, hash=False)
     dtype: str  # "float32" | "bfloat16" | "float16"
+    attention_backend: str  # "auto" | "torch" (the reference) | "cpu" (C++ decode kernel)
     max_model_len: int
     max_model_len_is_default: bool
     eos_token_ids: tuple[int, ...]
@@ -70,6 +72,7 @@ class EngineArgs:
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     seed: int = 0
     num_threads: int | None = None
+    attention_backend: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -92,6 +95,10 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}."
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
@@ -120,6 +127,7 @@ class EngineArgs:
             is_gguf=is_gguf,
             hf_config=hf_config,
             dtype=model_loader.resolve_dtype(self.dtype, hf_config),
+            attention_backend=self.attention_backend,
             max_model_len=self.max_model_len or model_max_len,
             max_model_len_is_default=self.max_model_len is None,
             eos_token_ids=eos_token_ids,

@@ -66,6 +66,7 @@ def test_greedy_matches_hf(tiny_models, arch):
         pytest.param(dict(max_num_seqs=64), id="max_num_seqs=64"),
         pytest.param(dict(max_num_batched_tokens=7), id="chunk-every-prompt"),
         pytest.param(dict(enable_prefix_caching=False), id="no-prefix-caching"),
+        pytest.param(dict(attention_backend="torch"), id="reference-attention"),
     ],
 )
 def test_settings_do_not_change_outputs(tiny_llama, settings):

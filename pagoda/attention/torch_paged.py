@@ -40,14 +40,20 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode_kernel=None,
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (this step's, already written to the cache).
 
-    Returns [T, H, D].
+    `decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale)`, when
+    given, replaces the batched-SDPA decode (see cpu_kernels). Returns [T, H, D].
     """
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
+    if nd and decode_kernel is not None:
+        out[:nd] = decode_kernel(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+    elif nd:
         # [nd, H, 1, D] against [nd, KVH, S, D], S = max_blocks * block_size.
         keys = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)
         values = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)

@@ -5,7 +5,7 @@ The engine is not thread-safe, so exactly one thread touches it: a background
 while any request is unfinished, and blocks on a condition variable when
 idle (no busy polling). Callers on any asyncio loop talk to it through a
 lock-protected list of operations; outputs come back to each request's
-`asyncio.Queue` through `loop.call_soon_threadsafe`, one callback per loop
+`RequestStream` through `loop.call_soon_threadsafe`, one callback per loop
 per step.
 
     caller (event loop)            engine thread
@@ -21,6 +21,7 @@ time) are measured here, in the engine thread, as outputs leave the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -64,7 +65,10 @@ class _Timing:
 class RequestStream:
     """The outputs of one request, in order, as an async iterator.
 
-    Each item is a cumulative `RequestOutput`; the last has `finished=True`
+    Each item is a cumulative `RequestOutput` (every completion's text, token
+    ids and logprobs so far), so a reader that falls behind gets only the
+    newest one: outputs it missed are contained in it, and memory stays
+    bounded however slow the reader. The last item has `finished=True`
     (finish_reason "abort" when it was aborted). If the engine fails, the
     iterator raises `EngineNotAcceptingError`. Only the owning loop reads it.
     """
@@ -73,10 +77,13 @@ class RequestStream:
         self.request_id = request_id
         self.loop = loop
         self.finished = False
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._latest: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on self.loop
-        self._queue.put_nowait(item)
+        if not isinstance(self._latest, BaseException):  # an error is never replaced
+            self._latest = item
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -84,7 +91,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._latest = self._latest, None
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -114,6 +123,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._ops: list[tuple] = []  # guarded by _cond
         self._num_unfinished = 0  # accepted and not finished; guarded by _cond
+        # Adds not yet reflected in _stats; guarded by _cond, as is _stats itself.
+        self._num_unseen_adds = 0
         self._accepting = True
         self._stopping = False
         self._error: BaseException | None = None
@@ -159,9 +170,11 @@ class AsyncEngine:
         return dict(self._stats)
 
     def num_queued(self) -> int:
-        """Requests accepted but not (as of the last step) running."""
+        """Sequences waiting to run: the engine's waiting count as of its last step,
+        plus requests added since (a request with n > 1 waits as n sequences
+        once the engine has it)."""
         with self._cond:
-            return max(0, self._num_unfinished - int(self._stats["num_requests_running"]))
+            return int(self._stats["num_requests_waiting"]) + self._num_unseen_adds
 
     # ---- requests -------------------------------------------------------------
 
@@ -196,6 +209,7 @@ class AsyncEngine:
         op = ("add", request_id, prompt, params, priority, stream, accepted, time.monotonic())
         with self._cond:
             self._num_unfinished += 1
+            self._num_unseen_adds += 1
             self._ops.append(op)
             self._cond.notify()
         try:
@@ -298,12 +312,11 @@ class AsyncEngine:
                     self._record(output, now, step_start)
                     self._send_output(output, sends)
             busy = engine.has_unfinished_requests()
-            self._stats = self._read_stats()
-            for loop, items in sends.items():
-                try:
-                    loop.call_soon_threadsafe(_deliver, items)
-                except RuntimeError:  # that loop is closed: nobody is listening
-                    pass
+            stats = self._read_stats()
+            with self._cond:
+                self._stats = stats
+                self._num_unseen_adds -= sum(op[0] == "add" for op in ops)
+            _post(sends)
             if stopping and not busy:
                 with self._cond:
                     if not self._ops:
@@ -381,11 +394,7 @@ class AsyncEngine:
         for stream in self._streams.values():
             sends.setdefault(stream.loop, []).append((RequestStream._put, stream, wrapped))
         self._streams.clear()
-        for loop, items in sends.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:
-                pass
+        _post(sends)
 
     def _read_stats(self) -> dict[str, float]:
         stats = dict(self.engine.get_stats())
@@ -400,6 +409,14 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _post(sends: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any, Any]]]) -> None:
+    """From the engine thread: one callback per loop runs all of its deliveries."""
+    for loop, items in sends.items():
+        # A closed loop raises RuntimeError: nobody is listening there any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_deliver, items)
 
 
 def _deliver(items: list[tuple[Callable, Any, Any]]) -> None:

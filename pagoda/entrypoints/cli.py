@@ -1,4 +1,4 @@
-"""The `pagoda` command: generate, chat (and, later, serve and bench)."""
+"""The `pagoda` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -108,6 +108,43 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": printed})
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) the API answers to (default: the MODEL argument, or "
+        "SmolLM2-135M-Instruct for the default model)",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="require this bearer key on /v1 (or PAGODA_API_KEY)"
+    )
+    parser.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="most requests waiting to run; past it new ones get 503 (default: no limit)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from pagoda.entrypoints.openai.api_server import run_server
+
+    if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
+        raise ValueError(f"two models named: {ns.model_tag!r} and --model {ns.model!r}.")
+    ns.model = ns.model_tag or ns.model
+    return run_server(ns, engine_args_from(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagoda", description="pagoda: LLM inference and serving engine"
@@ -135,6 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    from pagoda.bench.cli import register as register_bench
+
+    register_bench(sub)
     return parser
 
 

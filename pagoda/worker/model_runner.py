@@ -72,8 +72,10 @@ class ModelRunner:
             attn.head_dim,
             dtype=self.dtype,
         )
+        decode_kernel = self._decode_kernel()
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            layer.decode_kernel = decode_kernel
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d bytes per token)",
             num_blocks,
@@ -82,6 +84,19 @@ class ModelRunner:
             bytes_per_block // self.block_size,
         )
         return num_blocks
+
+    def _decode_kernel(self):
+        backend = self.model_config.attention_backend
+        if backend == "torch" or self.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        from pagoda.attention import cpu_kernels
+
+        module = cpu_kernels.load()
+        if module is None and backend == "cpu":
+            raise ValueError(
+                "attention_backend 'cpu': the C++ kernel could not be built (see the log)."
+            )
+        return module.paged_decode_attention if module is not None else None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 def random_id(prefix: str) -> str:
@@ -23,7 +23,7 @@ def now() -> int:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # ---- errors -------------------------------------------------------------------
@@ -80,12 +80,14 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
-    request_id: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 # ---- /v1/completions ------------------------------------------------------------------
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+# Strict ints: a token id is never a bool, a float or a numeric string.
+PromptInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
 
 
 class CompletionRequest(SamplingFields):
@@ -105,12 +107,21 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extra, when the request set prompt_logprobs: per prompt token (None
+    # for the first), token id -> its logprob.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

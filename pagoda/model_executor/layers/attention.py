@@ -16,9 +16,12 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.decode_kernel = None  # a faster decode path, bound by the runner when available
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
         meta = get_attention_metadata()
         write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return paged_attention(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_kernel
+        )

@@ -1,0 +1,45 @@
+"""C++ CPU kernels, compiled on first use with torch's extension builder (cached).
+
+If the compiler or ninja is missing, `load()` returns None and attention uses
+the pure-PyTorch reference instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+
+
+def _cpu_tag() -> str:
+    # -march=native code must never be reused on another CPU: key the build by its flags.
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+@functools.cache
+def load():
+    """The compiled module (with `paged_decode_attention`), or None if it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        logger.info("Building pagoda's CPU attention kernel (first use only; cached afterwards)...")
+        return load_extension(
+            name=f"pagoda_cpu_attention_{_cpu_tag()}",
+            sources=[_SOURCE],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++20"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, unsupported platform: fall back
+        logger.warning("CPU attention kernel unavailable (%s); using the PyTorch reference.", e)
+        return None

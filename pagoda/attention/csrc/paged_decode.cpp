@@ -1,0 +1,149 @@
+// Paged decode attention for the CPU: one query token per sequence against its
+// context, read in place through the block table (no gathered copy of the cache).
+//
+// Work is split over (sequence, kv head) pairs; each pair serves the G = H / KVH
+// query heads that share its K/V rows (GQA), so every K/V row is read once.
+// Two passes: scores (reads K), then the softmax-weighted sum (reads V).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;  // exact widening
+    std::memcpy(dst + i, &bits, sizeof(bits));
+  }
+}
+
+// Blocks sit anywhere in the pool, out of the hardware prefetcher's sight: ask for the next one.
+template <typename T>
+inline void prefetch_block(const T* first_row, int64_t rows, int64_t row_stride, int64_t D) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(first_row + j * row_stride) + off);
+}
+
+// kD > 0 fixes the head dim at compile time (fully unrolled inner loops); 0 reads `D_`.
+template <typename T, int64_t kD>
+void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+            const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D_,
+            int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t D = kD > 0 ? kD : D_;
+  const int64_t G = H / KVH;
+  const int64_t row_stride = KVH * D;  // between consecutive tokens of a block
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), inv_sum(G), scores;
+    float row[kMaxHeadDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, kvh = item % KVH;
+      const int64_t len = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      scores.resize(G * len);
+      for (int64_t g = 0; g < G; ++g) {
+        load_row(q + (b * H + kvh * G + g) * D, qf.data() + g * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
+      }
+      // Walk the context block by block: no division per token.
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = std::min(block_size, len - start);
+        const T* k_block = k_cache + table[start / block_size] * block_size * row_stride + kvh * D;
+        if (start + block_size < len) prefetch_block(k_cache + table[start / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(k_block + j * row_stride, row, D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+            scores[g * len + start + j] = dot;
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * len;
+        const float m = *std::max_element(s, s + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = std::min(block_size, len - start);
+        const T* v_block = v_cache + table[start / block_size] * block_size * row_stride + kvh * D;
+        if (start + block_size < len) prefetch_block(v_cache + table[start / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(v_block + j * row_stride, row, D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * len + start + j];
+            float* a = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* o = out + (b * H + kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
+// seq_lens: [B] int64 (>= 1). Returns [B, H, D].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode_attention: bad ranks");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: dtype mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: block_tables and seq_lens must be int64");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: caches must be contiguous");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(D <= kMaxHeadDim && k_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: bad shapes");
+  auto out = torch::empty_like(q);
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: float32 or bfloat16 only");
+  auto run = [&](auto type_tag, auto fixed_dim) {
+    using scalar_t = typename decltype(type_tag)::type;
+    decode<scalar_t, decltype(fixed_dim)::value>(
+        q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+        block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D,
+        block_size, block_tables.size(1), static_cast<float>(scale));
+  };
+  auto by_dim = [&](auto type_tag) {
+    if (D == 64) run(type_tag, std::integral_constant<int64_t, 64>{});
+    else if (D == 128) run(type_tag, std::integral_constant<int64_t, 128>{});
+    else run(type_tag, std::integral_constant<int64_t, 0>{});
+  };
+  if (q.scalar_type() == at::kFloat) by_dim(std::type_identity<float>{});
+  else by_dim(std::type_identity<at::BFloat16>{});
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+}

@@ -1,0 +1,1 @@
+"""`pagoda bench`: workloads, metrics and peers, as ../shared/BENCHMARKS.md defines them."""

@@ -1,0 +1,80 @@
+"""Serving metrics as vLLM's benchmarks define them, from per-request timelines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestTimeline:
+    """One request's life, in seconds on one clock."""
+
+    arrival: float
+    token_times: list[float] = field(default_factory=list)  # when each output token arrived
+    prompt_len: int = 0
+    output_len: int = 0  # tokens the request asked for (counted as useful)
+    success: bool = True
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def e2el(self) -> float:
+        return self.token_times[-1] - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2EL - TTFT) / (output tokens - 1); None for one-token outputs."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        return list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
+
+
+def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    """mean, median, p90, p99 (in ms by default); zeros when empty."""
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values, dtype=np.float64) * scale
+    return {
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+    }
+
+
+def compute_metrics(
+    timelines: list[RequestTimeline],
+    duration: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> dict[str, object]:
+    """Throughputs, latency summaries (ms) and goodput over successful requests."""
+    ok = [t for t in timelines if t.success and t.token_times]
+    output_tokens = sum(t.output_len for t in ok)
+    prompt_tokens = sum(t.prompt_len for t in ok)
+    tpots = [t.tpot for t in ok if t.tpot is not None]
+    good = 0
+    for t in ok:
+        meets_ttft = slo_ttft_ms is None or t.ttft * 1000 <= slo_ttft_ms
+        meets_tpot = slo_tpot_ms is None or t.tpot is None or t.tpot * 1000 <= slo_tpot_ms
+        good += meets_ttft and meets_tpot
+    return {
+        "completed": len(ok),
+        "failed": len(timelines) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": output_tokens / duration if duration else 0.0,
+        "total_token_throughput": (output_tokens + prompt_tokens) / duration if duration else 0.0,
+        "goodput": good / duration if duration else 0.0,
+        "ttft_ms": summarize([t.ttft for t in ok]),
+        "tpot_ms": summarize(tpots),
+        "itl_ms": summarize([x for t in ok for x in t.itls]),
+        "e2el_ms": summarize([t.e2el for t in ok]),
+    }

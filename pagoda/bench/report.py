@@ -1,0 +1,135 @@
+"""Tables, JSON files (with machine and versions) and plots for benchmark results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+    }
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    import pagoda
+
+    return {
+        "pagoda": pagoda.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "torch_threads": str(torch.get_num_threads()),
+    }
+
+
+def write_json(path: str, config: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    doc = {
+        "command": " ".join(sys.argv),
+        "config": config,
+        "machine": machine_info(),
+        "versions": versions(),
+        "results": results,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+
+
+def format_table(results: list[dict[str, Any]], baseline: str | None = None) -> str:
+    """One row per system; `x base` is output tok/s relative to the baseline system."""
+    base = next((r for r in results if r["system"] == baseline), None)
+    header = (
+        f"{'system':<22}{'wall s':>8}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'x base':>8}"
+        + f"{'TTFT mean':>11}{'TTFT p99':>10}{'TPOT mean':>11}{'TPOT p99':>10}{'RSS MiB':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        ratio = (
+            r["output_throughput"] / base["output_throughput"]
+            if base and base["output_throughput"]
+            else float("nan")
+        )
+        lines.append(
+            f"{r['system']:<22}{r['duration_s']:>8.1f}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
+            f"{r['total_token_throughput']:>11.1f}{ratio:>8.2f}{r['ttft_ms']['mean']:>11.0f}{r['ttft_ms']['p99']:>10.0f}"
+            f"{r['tpot_ms']['mean']:>11.1f}{r['tpot_ms']['p99']:>10.1f}{r.get('peak_rss_mib', 0):>9.0f}"
+        )
+    kv = [r for r in results if "kv_efficiency_paged" in r]
+    if kv:
+        lines.append("")
+        lines.append("KV memory efficiency (tokens held / KV memory reserved), mean over steps:")
+        for r in kv:
+            lines.append(
+                f"  {r['system']:<20} paged {100 * r['kv_efficiency_paged']:5.1f}%   contiguous max_model_len "
+                f"{100 * r['kv_efficiency_contiguous_max_len']:5.1f}%   contiguous prompt+max_tokens "
+                f"{100 * r['kv_efficiency_contiguous_exact']:5.1f}%   peak blocks {r['kv_blocks_peak']}/{r['kv_blocks_total']}"
+            )
+    return "\n".join(lines)
+
+
+def plot_compare(path: str, results: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["system"] for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [
+        ("output tokens/s (higher is better)", [r["output_throughput"] for r in results]),
+        ("TTFT p99, s (lower is better)", [r["ttft_ms"]["p99"] / 1000 for r in results]),
+        ("TPOT p99, ms (lower is better)", [r["tpot_ms"]["p99"] for r in results]),
+    ]
+    colors = ["#2b6cb0" if n.startswith("pagoda-continuous") else "#a0aec0" for n in names]
+    for ax, (label, values) in zip(axes, panels, strict=True):
+        bars = ax.bar(names, values, color=colors)
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=30)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(path: str, series: dict[str, list[dict[str, Any]]], title: str) -> None:
+    """One line per system: throughput vs P99 TTFT and vs P99 TPOT across request rates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, points in series.items():
+        thr = [p["output_throughput"] for p in points]
+        axes[0].plot(thr, [p["ttft_ms"]["p99"] for p in points], marker="o", label=name)
+        axes[1].plot(thr, [p["tpot_ms"]["p99"] for p in points], marker="o", label=name)
+    for ax, label in zip(axes, ("P99 TTFT (ms)", "P99 TPOT (ms)"), strict=True):
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

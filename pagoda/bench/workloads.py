@@ -1,0 +1,97 @@
+"""Seeded synthetic workloads (BENCHMARKS.md) and user datasets.
+
+Token ids are drawn from the model's vocabulary, skipping special tokens;
+output lengths are exact (the engine ignores EOS).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+WORKLOADS = ("mixed", "uniform", "shared-prefix", "long", "online")
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival_time: float = 0.0  # seconds after the start
+    prompt: str | None = None  # for HTTP clients; decoded from the ids when absent
+
+
+def _vocab(tokenizer) -> list[int]:
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+def make_workload(
+    name: str,
+    tokenizer,
+    seed: int = 42,
+    num_prompts: int | None = None,
+    request_rate: float = float("inf"),
+    max_model_len: int | None = None,
+) -> list[BenchRequest]:
+    """The named workload. `num_prompts` overrides the default count; `online`
+    arrivals are Poisson at `request_rate` requests/s."""
+    if name not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}.")
+    rng = random.Random(seed)
+    vocab = _vocab(tokenizer)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.choice(vocab) for _ in range(n)]
+
+    if name in ("mixed", "online"):
+        n = num_prompts or (64 if name == "mixed" else 256)
+        reqs = [BenchRequest(tokens(rng.randint(32, 512)), rng.randint(32, 256)) for _ in range(n)]
+    elif name == "uniform":
+        reqs = [BenchRequest(tokens(128), 128) for _ in range(num_prompts or 256)]
+    elif name == "shared-prefix":
+        prefix = tokens(448)
+        reqs = [
+            BenchRequest(prefix + tokens(rng.randint(16, 64)), 64) for _ in range(num_prompts or 64)
+        ]
+    else:  # long
+        prompt_len = 4096 if max_model_len is None else min(4096, max_model_len - 64)
+        reqs = [BenchRequest(tokens(prompt_len), 64) for _ in range(num_prompts or 8)]
+    if name == "online" or request_rate != float("inf"):
+        assign_poisson_arrivals(reqs, request_rate, rng)
+    return reqs
+
+
+def assign_poisson_arrivals(reqs: list[BenchRequest], rate: float, rng: random.Random) -> None:
+    t = 0.0
+    for r in reqs:
+        r.arrival_time = t
+        if rate != float("inf"):
+            t += rng.expovariate(rate)
+
+
+def load_dataset(path: str, tokenizer, default_output_len: int = 128) -> list[BenchRequest]:
+    """A JSONL file, one request a line: {"prompt": str, "output_len"?: int}
+    (or "prompt_token_ids" instead of "prompt")."""
+    reqs = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
+            if "prompt_token_ids" in row:
+                ids, text = list(row["prompt_token_ids"]), row.get("prompt")
+            elif isinstance(row.get("prompt"), str):
+                text = row["prompt"]
+                ids = tokenizer.encode(text)
+            else:
+                raise ValueError(f"{path}:{lineno}: needs 'prompt' or 'prompt_token_ids'.")
+            reqs.append(
+                BenchRequest(ids, int(row.get("output_len", default_output_len)), prompt=text)
+            )
+    if not reqs:
+        raise ValueError(f"{path}: no requests.")
+    return reqs

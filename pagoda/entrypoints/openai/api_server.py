@@ -1,0 +1,333 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`, run by uvicorn.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.
+
+Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
+400 for bad input (malformed JSON, missing or mistyped fields, values out of
+range, a prompt too long), 401 without the API key on /v1, 404 for an unknown
+model or route, 503 (with Retry-After) when the queue is full or the server is
+stopping. A client that goes away aborts its requests.
+
+SIGTERM (or Ctrl-C): stop accepting, let in-flight requests finish for up to
+`shutdown_timeout` seconds, abort the rest (their streams end with
+finish_reason "abort"), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import threading
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagoda import __version__, envs
+from pagoda.engine.async_engine import AsyncEngine, EngineNotAcceptingError, QueueFullError
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    now,
+)
+from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_engine import APIError, bad_request, param_of
+from pagoda.metrics import CONTENT_TYPE
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _error(status: int, message: str, type: str, param=None, code=None, headers=None):
+    return JSONResponse(APIError(status, message, type, param, code).body(), status, headers)
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however it ends, even
+    when the client left before the body started (the generator never ran)."""
+
+    def __init__(self, content, on_close) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.headers["Cache-Control"] = "no-cache"
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class APIKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer <key>`; the rest stay open."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(auth, self.expected):
+                response = _error(
+                    401, "Incorrect or missing API key.", "invalid_request_error",
+                    code="invalid_api_key",
+                )  # fmt: skip
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its
+    requests) and answer 499."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), e.status_code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError):
+        errors = e.errors()
+        param, parts = None, []
+        for err in errors[:3]:
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            if err.get("type") == "json_invalid":
+                parts.append(f"Malformed JSON in the request body: {err.get('msg')}")
+                continue
+            if param is None and loc:
+                param = loc[0]
+            where = ".".join(loc) or "body"
+            parts.append(f"{where}: {err.get('msg')}")
+        message = "; ".join(parts) or "invalid request"
+        return _error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, e: ValueError):
+        return _error(400, str(e), "invalid_request_error", param_of(e))
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, e: QueueFullError):
+        headers = {"Retry-After": str(e.retry_after)}
+        return _error(503, str(e), "ServiceUnavailableError", None, "queue_full", headers)
+
+    @app.exception_handler(EngineNotAcceptingError)
+    async def not_accepting(_: Request, e: EngineNotAcceptingError):
+        headers = {"Retry-After": "5"}
+        return _error(503, str(e), "ServiceUnavailableError", None, "unavailable", headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, str(e.detail), kind, None, None, e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception):
+        logger.exception("unhandled error in a request")
+        return _error(500, f"internal error: {e!r}", "InternalServerError")
+
+
+def build_app(
+    engine: AsyncEngine,
+    served_model_names: Sequence[str] | None = None,
+    api_key: str | None = None,
+    owns_engine: bool = True,
+) -> FastAPI:
+    """The FastAPI app for `engine`. With `owns_engine`, the app's shutdown stops it."""
+    names = list(served_model_names or [engine.model_name])
+    completion = OpenAIServingCompletion(engine, names)
+    chat = OpenAIServingChat(engine, names)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if owns_engine:
+            await asyncio.to_thread(engine.shutdown, True)
+
+    app = FastAPI(title="pagoda", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    _install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return _error(
+                503, f"the engine has stopped: {engine.error!r}", "ServiceUnavailableError"
+            )
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name,
+            created=now(),
+            root=engine.model_config.path,
+            max_model_len=engine.max_model_len,
+        )
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[card(name) for name in names])
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> ModelCard:
+        return card(completion.check_model(model))
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw_request: Request):
+        response_id, model, prompts, params, streams = await completion.start(req)
+        if req.stream:
+            body = completion.stream_response(req, response_id, model, prompts, params, streams)
+            return SSEResponse(body, lambda: completion.abort_unfinished(streams))
+        work = completion.full_response(req, response_id, model, prompts, params, streams)
+        return await until_disconnected(raw_request, work)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
+        response_id, model, prompt, params, stream = await chat.start(req)
+        if req.stream:
+            body = chat.stream_response(req, response_id, model, prompt, params, stream)
+            return SSEResponse(body, lambda: chat.abort_unfinished([stream]))
+        work = chat.full_response(req, response_id, model, prompt, params, stream)
+        return await until_disconnected(raw_request, work)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        completion.check_model(req.model)
+        if req.messages is not None:
+            _, tokens = chat.render(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise bad_request("give either prompt or messages.", "prompt")
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        completion.check_model(req.model)
+        completion.check_token_ids(req.tokens, "tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with pagoda's graceful stop: on the first SIGTERM/SIGINT
+    refuse new requests and abort what is still running after `shutdown_timeout`
+    seconds; and exit normally afterwards instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            logger.info(
+                "pagoda serve: stopping; in-flight requests have %.0f s to finish",
+                self.shutdown_timeout,
+            )
+            self.engine.stop_accepting()
+            timer = threading.Timer(self.shutdown_timeout, self.engine.abort_all)
+            timer.daemon = True
+            timer.start()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def run_server(ns: argparse.Namespace, engine_args) -> int:
+    """`pagoda serve`: build the engine, serve until SIGTERM/SIGINT, return 0."""
+    names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
+    if ns.max_queue_len is not None and ns.max_queue_len < 0:
+        raise ValueError(f"max_queue_len must be >= 0, got {ns.max_queue_len}.")
+    engine = AsyncEngine.from_engine_args(
+        engine_args, model_name=names[0], max_queue_len=ns.max_queue_len
+    )
+    stats = engine.get_stats()
+    block_size = engine_args.block_size
+    logger.info(
+        "pagoda serve: model %s as %s; KV cache %d blocks x %d tokens = %d tokens; "
+        "max_model_len %d; listening on http://%s:%d",
+        engine.model_config.model,
+        ", ".join(names),
+        stats["num_blocks_total"],
+        block_size,
+        int(stats["num_blocks_total"]) * block_size,
+        engine.max_model_len,
+        ns.host,
+        ns.port,
+    )
+    app = build_app(engine, names, ns.api_key or envs.api_key())
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_config=None,
+        access_log=not ns.disable_uvicorn_access_log,
+        timeout_keep_alive=5,
+    )
+    try:
+        _Server(config, engine, ns.shutdown_timeout).run()
+    finally:
+        engine.shutdown(abort=True, timeout=10)
+    return 0
