@@ -75,14 +75,20 @@ def paged_attention(
         if ctx == 0:
             ki = k[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             vi = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
+            )
         else:
             total = ctx + qlen
-            ki = _gather(k_cache, block_table)[:total].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx+L, D]
+            ki = (
+                _gather(k_cache, block_table)[:total].transpose(0, 1).unsqueeze(0)
+            )  # [1, KVH, ctx+L, D]
             vi = _gather(v_cache, block_table)[:total].transpose(0, 1).unsqueeze(0)
             # Query i sits at position ctx + i and sees keys 0 .. ctx + i.
             mask = torch.ones(qlen, total, dtype=torch.bool, device=q.device).tril(ctx)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         o = o.squeeze(0)
         out[start : start + qlen] = o.transpose(0, 1)
     return out

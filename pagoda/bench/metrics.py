@@ -16,6 +16,9 @@ class RequestTimeline:
     prompt_len: int = 0
     output_len: int = 0  # tokens the request asked for (counted as useful)
     success: bool = True
+    # Output tokens received, where one timestamp can stand for several (an HTTP
+    # stream's chunk); None: one timestamp per token.
+    num_tokens: int | None = None
 
     @property
     def ttft(self) -> float:
@@ -28,7 +31,7 @@ class RequestTimeline:
     @property
     def tpot(self) -> float | None:
         """(E2EL - TTFT) / (output tokens - 1); None for one-token outputs."""
-        n = len(self.token_times)
+        n = len(self.token_times) if self.num_tokens is None else self.num_tokens
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
 
     @property
@@ -55,7 +58,9 @@ def compute_metrics(
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
 ) -> dict[str, object]:
-    """Throughputs, latency summaries (ms) and goodput over successful requests."""
+    """Throughputs, latency summaries (ms) and goodput over successful requests, and
+    `per_request` lists (TTFT, TPOT, E2EL in ms; None for a failed request) in the
+    order of `timelines`."""
     ok = [t for t in timelines if t.success and t.token_times]
     output_tokens = sum(t.output_len for t in ok)
     prompt_tokens = sum(t.prompt_len for t in ok)
@@ -77,4 +82,18 @@ def compute_metrics(
         "tpot_ms": summarize(tpots),
         "itl_ms": summarize([x for t in ok for x in t.itls]),
         "e2el_ms": summarize([t.e2el for t in ok]),
+        "per_request": _per_request(timelines),
+    }
+
+
+def _per_request(timelines: list[RequestTimeline]) -> dict[str, list]:
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(1000 * x, 3)
+
+    done = [t.success and bool(t.token_times) for t in timelines]
+    return {
+        "ttft_ms": [ms(t.ttft) if d else None for t, d in zip(timelines, done, strict=True)],
+        "tpot_ms": [ms(t.tpot) if d else None for t, d in zip(timelines, done, strict=True)],
+        "e2el_ms": [ms(t.e2el) if d else None for t, d in zip(timelines, done, strict=True)],
+        "output_len": [t.output_len if d else 0 for t, d in zip(timelines, done, strict=True)],
     }

@@ -133,3 +133,28 @@ def plot_sweep(path: str, series: dict[str, list[dict[str, Any]]], title: str) -
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_latency_cdf(path: str, results: list[dict[str, Any]], title: str) -> None:
+    """One line per result: the CDF of per-request TTFT and of TPOT (from `per_request`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        for ax, key in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
+            values = sorted(v for v in r["per_request"][key] if v is not None)
+            if values:
+                fractions = [(i + 1) / len(values) for i in range(len(values))]
+                ax.plot(values, fractions, drawstyle="steps-post", label=r["system"])
+    for ax, label in zip(axes, ("TTFT (ms)", "TPOT (ms)"), strict=True):
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -53,6 +53,14 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         return self._check_stop(old_len) if self.stop else None
 
+    def visible_text(self, finished: bool) -> str:
+        """The text safe to show: while running, the tail that could still turn
+        out to begin a stop string is held back (it may yet be cut)."""
+        if finished or not self.stop:
+            return self.output_text
+        hold = max(len(s) for s in self.stop) - 1
+        return self.output_text[: len(self.output_text) - hold] if hold else self.output_text
+
     def _check_stop(self, old_len: int) -> str | None:
         text = self.output_text
         for stop in self.stop:

@@ -25,7 +25,7 @@ class CompletionState:
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.output_text,
+            text=self.detokenizer.visible_text(finished=self.finish_reason is not None),
             token_ids=list(self.token_ids),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
@@ -72,15 +72,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
+        self.parent_to_children: dict[str, list[str]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states or request_id in self.child_to_parent
 
     def child_ids(self, request_id: str) -> list[str]:
-        state = self.states.get(request_id)
-        if state is None:
-            return []
-        return [cid for cid, (pid, _) in self.child_to_parent.items() if pid == request_id]
+        """The scheduler ids of the request's completions that are still running."""
+        return [
+            cid
+            for cid in self.parent_to_children.get(request_id, ())
+            if cid in self.child_to_parent
+        ]
 
     def add_request(self, request_id: str, children: list[Request], prompt: str | None) -> None:
         first = children[0]
@@ -98,6 +101,7 @@ class OutputProcessor:
                 CompletionState(i, detok, logprobs=[] if p.logprobs is not None else None)
             )
             self.child_to_parent[child.request_id] = (request_id, i)
+        self.parent_to_children[request_id] = [c.request_id for c in children]
         self.states[request_id] = RequestState(
             request_id,
             prompt,
@@ -149,6 +153,7 @@ class OutputProcessor:
             outputs.append(state.to_output())
             if state.finished:
                 del self.states[parent_id]
+                del self.parent_to_children[parent_id]
         return outputs, stopped
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -157,6 +162,7 @@ class OutputProcessor:
             for cid in self.child_ids(request_id):
                 del self.child_to_parent[cid]
             state = self.states.pop(request_id, None)
+            self.parent_to_children.pop(request_id, None)
             if state is not None:
                 for c in state.completions:
                     if c.finish_reason is None:

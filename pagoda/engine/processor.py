@@ -19,6 +19,31 @@ class Processor:
         self.max_model_len = max_model_len
         self.vocab_size = model_config.hf_config["vocab_size"]
 
+    def render_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A conversation -> {"prompt": text, "prompt_token_ids": ids} via the model's chat
+        template. Raises ValueError (naming `messages`) when there is no template or it fails."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; send a plain prompt.")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # the template raised (e.g. roles out of order)
+            raise ValueError(f"messages: the chat template failed on these messages: {e}") from e
+        # The template already holds any special tokens it wants.
+        return {
+            "prompt": text,
+            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+        }
+
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.model_config.generation_defaults)
 

@@ -84,17 +84,7 @@ class LLM:
     def _render_chat(
         self, conversation: Conversation, add_generation_prompt: bool
     ) -> dict[str, Any]:
-        tokenizer = self.llm_engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use generate() with a plain prompt.")
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        # The template already holds any special tokens it wants.
-        return {
-            "prompt": text,
-            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
-        }
+        return self.llm_engine.processor.render_chat(conversation, add_generation_prompt)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

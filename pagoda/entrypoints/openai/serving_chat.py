@@ -34,7 +34,6 @@ from pagoda.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Prompt,
     bad_request,
-    held_back_text,
     sse,
 )
 from pagoda.outputs import RequestOutput
@@ -53,9 +52,6 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs: dict[str, Any] | None = None,
     ) -> Prompt:
         """Messages -> (prompt text, token ids) via the chat template; 400 on bad messages."""
-        tokenizer = self.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions.", "messages")
         conversation = []
         for i, message in enumerate(messages):
             if message.role not in ROLES:
@@ -77,15 +73,12 @@ class OpenAIServingChat(OpenAIServing):
                 content = "\n".join(texts)
             conversation.append({"role": message.role, "content": content or ""})
         try:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
+            rendered = self.engine.engine.processor.render_chat(
+                conversation, add_generation_prompt, template_kwargs
             )
-        except Exception as e:  # the template raised (e.g. roles out of order)
-            raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from e
+        return rendered["prompt"], rendered["prompt_token_ids"]
 
     async def start(self, req: ChatCompletionRequest):
         """Validate and add the request; returns (response id, model, prompt, params, stream)."""
@@ -183,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
                     if finished[j]:
                         continue
                     done = comp.finish_reason is not None
-                    visible = held_back_text(comp.text, done, params.stop, sent_chars[j])
+                    visible = comp.text  # the engine holds back a possible stop string
                     text = visible[sent_chars[j] :]
                     logprobs = self._logprobs(comp, sent_tokens[j], params)
                     new_tokens = len(comp.token_ids) > sent_tokens[j]

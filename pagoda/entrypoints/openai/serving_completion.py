@@ -26,7 +26,6 @@ from pagoda.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Prompt,
     bad_request,
-    held_back_text,
     merge_streams,
     sse,
 )
@@ -114,7 +113,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """The text (and logprobs) of `comp` not yet sent; advances `state`."""
         finished = comp.finish_reason is not None
         visible = (
-            held_back_text(comp.text, finished, params.stop, state.num_chars)
+            comp.text  # the engine holds back a possible stop string
             if stream
             else comp.text
         )

@@ -319,16 +319,6 @@ def _top(position: dict, num_top: int, always: int | None = None) -> list[tuple[
     return [(t, lp) for i, (t, lp) in enumerate(ranked) if i < num_top or t == always]
 
 
-def held_back_text(text: str, finished: bool, stop: list[str], sent: int) -> str:
-    """The part of `text` safe to stream now: while unfinished, the last
-    (longest stop string - 1) characters may yet turn into a stop string that
-    the engine cuts off, so they wait."""
-    if finished or not stop:
-        return text
-    hold = max(len(s) for s in stop) - 1
-    return text[: max(sent, len(text) - hold)]
-
-
 async def merge_streams(
     streams: list[RequestStream],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
