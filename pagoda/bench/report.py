@@ -145,7 +145,7 @@ def plot_latency_cdf(path: str, results: list[dict[str, Any]], title: str) -> No
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
-            values = sorted(v for v in r["per_request"][key] if v is not None)
+            values = sorted(v for v in r.get("per_request", {}).get(key, []) if v is not None)
             if values:
                 fractions = [(i + 1) / len(values) for i in range(len(values))]
                 ax.plot(values, fractions, drawstyle="steps-post", label=r["system"])

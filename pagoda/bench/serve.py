@@ -132,6 +132,8 @@ async def stream_request(client, url: str, payload: dict[str, Any], chat: bool) 
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
+                if not isinstance(event, dict):
+                    continue
                 if event.get("error"):
                     res.error = _error_message(data)
                     return res
