@@ -113,6 +113,11 @@ class EngineArgs:
         hf_config = model_loader.load_hf_config(path, is_gguf)
         model_loader.check_architecture(hf_config, path)
         model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
+        window = hf_config.get("sliding_window")
+        if window and hf_config.get("use_sliding_window", True) and window < model_max_len:
+            # Sliding-window attention is not implemented: within the window it is full attention.
+            logger.warning("sliding_window %d: max_model_len capped at the window.", window)
+            model_max_len = int(window)
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's "

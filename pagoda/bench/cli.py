@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     thr.add_argument("--workload", choices=WORKLOADS, default="mixed")
     thr.add_argument("--dataset", default=None, help="JSONL of prompts (and optional output_len)")
     thr.add_argument("--num-prompts", type=int, default=None)
+    thr.add_argument("--workload-seed", type=int, default=42, help="seed of the synthetic workload")
     thr.add_argument(
         "--request-rate", type=float, default=float("inf"), help="Poisson arrivals (req/s)"
     )
@@ -84,7 +85,7 @@ def _workload(ns: argparse.Namespace, engine_kwargs: dict[str, Any]):
         reqs = make_workload(
             ns.workload,
             tokenizer,
-            seed=engine_kwargs["seed"],
+            seed=ns.workload_seed,
             num_prompts=ns.num_prompts,
             request_rate=ns.request_rate,
         )
