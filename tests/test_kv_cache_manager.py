@@ -112,9 +112,9 @@ def test_prefix_cache_hits():
     a = make_request("a", prompt)
     assert m.get_computed_blocks(a) == ([], 0)
     assert m.allocate_slots(a, 10) == [0, 1, 2]
-    # Allocated is not computed: nothing findable yet.
-    assert m.block_pool.cached_blocks == {}
-    assert m.get_computed_blocks(make_request("x", prompt)) == ([], 0)
+    # Findable as soon as allocated for the step that computes them (requests
+    # admitted later in the same step share them).
+    assert m.get_computed_blocks(make_request("x", prompt)) == ([0, 1], 8)
     compute(m, a, 10)
     # Only the two full blocks are cached.
     assert m.block_pool.cached_blocks == {
@@ -272,8 +272,7 @@ def test_decoded_blocks_are_cached_when_full():
     compute(m, a, 3)
     assert m.block_pool.cached_blocks == {}
     a.append_output_token(8)  # the token sampled from the prompt
-    assert m.allocate_slots(a, 1) == []  # token 3 fills block 0
-    assert m.block_pool.cached_blocks == {}
+    assert m.allocate_slots(a, 1) == []  # token 3 fills block 0, cached as it is allocated
     compute(m, a, 1)
     assert m.block_pool.cached_blocks == {hash_block(None, (7, 7, 7, 8)): 0}
     a.append_output_token(9)

@@ -49,7 +49,9 @@ def paged_attention(
     """
     nd = meta.num_decodes
     if decode_kernel is not None and nd == q.shape[0]:  # a decode-only step: no copy
-        return decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        return decode_kernel(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
     out = torch.empty_like(q)
     if nd and decode_kernel is not None:
         out[:nd] = decode_kernel(

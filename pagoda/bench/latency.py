@@ -27,13 +27,16 @@ def run_latency(
             prompt = [rng.choice(vocab) for _ in range(input_len)]
             engine.add_request(f"{batch}-{i}", {"prompt_token_ids": prompt}, params)
         start = time.perf_counter()
-        step_times, first_token = [], None
+        step_times, first_token, started = [], None, set()
+        num_prefill_steps = 0
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
             outs = engine.step()
             step_times.append(time.perf_counter() - t0)
-            if first_token is None and any(o.outputs[0].token_ids for o in outs):
+            started.update(o.request_id for o in outs if o.outputs[0].token_ids)
+            if first_token is None and started:
                 first_token = time.perf_counter() - start
+            if not num_prefill_steps and len(started) == batch:  # every prompt is in
                 num_prefill_steps = len(step_times)
         total = time.perf_counter() - start
         decode = step_times[num_prefill_steps:]

@@ -6,8 +6,8 @@ Token positions map onto a request's block table like this (block_size 4):
     block_table [    b5     ,     b2      ,  b9  ]
     slot of t9  = b9 * 4 + 1
 
-A full block becomes findable by hash once its K/V has been computed
-(`cache_blocks`, called after the step). Blocks are also shared by forking
+A full block becomes findable by hash as soon as it is allocated for the step
+that computes it, so requests admitted in the same step share it. Blocks are also shared by forking
 (parallel sampling): a shared partial block is copied before it is written
 (copy-on-write), and the copies are handed to the runner as (src, dst) pairs.
 
@@ -133,10 +133,14 @@ class KVCacheManager:
         block_ids.extend(new_computed_block_ids)
         new_block_ids = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         block_ids.extend(new_block_ids)
+        # Findable at once: a request admitted later in this same step may share them,
+        # since every layer writes the whole step's K/V before any attention reads.
+        # (The scheduler never un-schedules a request it has allocated for.)
+        self.cache_blocks(request, num_computed + num_new_tokens)
         return new_block_ids
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Make the request's full, computed blocks findable by hash (after a step)."""
+        """Make the request's full blocks up to `num_computed_tokens` findable by hash."""
         if not self.enable_caching:
             return
         num_full = num_computed_tokens // self.block_size

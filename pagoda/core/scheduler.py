@@ -131,8 +131,13 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            if num_new == 0:  # a leader whose whole fork point was cached
-                self._fork(request)
+            if num_new == 0:  # a leader whose fork point is already computed (or cached)
+                for r in [request, *self._fork(request)]:
+                    num = self._num_new_tokens(r, r.num_computed_tokens, budget)
+                    if num == 0 or kv.allocate_slots(r, num) is None:
+                        break
+                    scheduled.append(self._scheduled(r, num))
+                    budget -= num
                 continue
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
@@ -159,7 +164,6 @@ class Scheduler:
             request = self.requests[item.request_id]
             start = request.num_computed_tokens
             request.num_computed_tokens += len(item.token_ids)
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             prompt_len = request.num_prompt_tokens
             self.num_prompt_tokens_computed += min(request.num_computed_tokens, prompt_len) - min(
                 start, prompt_len
@@ -213,13 +217,16 @@ class Scheduler:
     def _at_fork_point(self, request: Request) -> bool:
         return request.num_computed_tokens == request.num_prompt_tokens - 1
 
-    def _fork(self, leader: Request) -> None:
-        for sibling in self.fork_waiters.pop(leader.request_id, []):
+    def _fork(self, leader: Request) -> list[Request]:
+        """Siblings join the running set sharing the leader's blocks; returns them."""
+        siblings = self.fork_waiters.pop(leader.request_id, [])
+        for sibling in siblings:
             self.kv_cache_manager.fork(leader, sibling)
             sibling.num_computed_tokens = leader.num_computed_tokens
             sibling.status = RequestStatus.RUNNING
             sibling.first_scheduled_time = time.monotonic()
             self.running.append(sibling)
+        return siblings
 
     def _peek_waiting(self) -> Request:
         if self.config.scheduling_policy == "priority":

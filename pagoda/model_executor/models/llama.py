@@ -44,7 +44,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = self.rotary_emb(positions, qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = self.rotary_emb(
+            positions, qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v)  # [T, H, D]
