@@ -53,6 +53,14 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
 
 class SamplingFields(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""

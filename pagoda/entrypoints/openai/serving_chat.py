@@ -35,6 +35,7 @@ from pagoda.entrypoints.openai.serving_engine import (
     Prompt,
     bad_request,
     sse,
+    sse_error,
 )
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -132,11 +133,7 @@ class OpenAIServingChat(OpenAIServing):
         ]
         num_prompt = len(final.prompt_token_ids)
         num_completion = sum(len(c.token_ids) for c in final.outputs)
-        usage = UsageInfo(
-            prompt_tokens=num_prompt,
-            completion_tokens=num_completion,
-            total_tokens=num_prompt + num_completion,
-        )
+        usage = UsageInfo.of(num_prompt, num_completion)
         return ChatCompletionResponse(
             id=response_id, created=created, model=model, choices=choices, usage=usage
         )
@@ -198,25 +195,12 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 num_prompt = len(prompt[1])
                 num_completion = sum(sent_tokens)
-                usage = UsageInfo(
-                    prompt_tokens=num_prompt,
-                    completion_tokens=num_completion,
-                    total_tokens=num_prompt + num_completion,
-                )
+                usage = UsageInfo.of(num_prompt, num_completion)
                 yield chunk([], usage)
             yield SSE_DONE
         except EngineNotAcceptingError as e:
             logger.error("chat stream %s failed: %s", response_id, e)
-            yield sse(
-                {
-                    "error": {
-                        "message": str(e),
-                        "type": "InternalServerError",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-            )
+            yield sse_error(str(e))
             yield SSE_DONE
         finally:
             self.abort_unfinished([stream])

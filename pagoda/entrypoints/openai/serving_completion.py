@@ -28,6 +28,7 @@ from pagoda.entrypoints.openai.serving_engine import (
     bad_request,
     merge_streams,
     sse,
+    sse_error,
 )
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -229,25 +230,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield chunk([choice])
             if include_usage:
                 completion_tokens = sum(s.num_tokens for s in states.values())
-                usage = UsageInfo(
-                    prompt_tokens=num_prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=num_prompt_tokens + completion_tokens,
-                )
+                usage = UsageInfo.of(num_prompt_tokens, completion_tokens)
                 yield chunk([], usage)
             yield SSE_DONE
         except EngineNotAcceptingError as e:
             logger.error("completion stream %s failed: %s", response_id, e)
-            yield sse(
-                {
-                    "error": {
-                        "message": str(e),
-                        "type": "InternalServerError",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-            )
+            yield sse_error(str(e))
             yield SSE_DONE
         finally:
             self.abort_unfinished(streams)

@@ -78,6 +78,13 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+def sse_error(message: str) -> str:
+    """An error event inside a stream that has already answered 200."""
+    return sse(
+        {"error": {"message": message, "type": "InternalServerError", "param": None, "code": None}}
+    )
+
+
 SSE_DONE = "data: [DONE]\n\n"
 
 
