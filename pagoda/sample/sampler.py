@@ -146,8 +146,17 @@ def apply_logits_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
-    """logits: [B, V] float32 -> token ids [B] int64."""
-    logits = apply_logits_processors(logits, st)
+    """logits: [B, V] in the model's dtype -> token ids [B] int64."""
+    if (
+        st.all_greedy
+        and st.allowed_mask is None
+        and st.banned is None
+        and st.bias is None
+        and st.repetition is None
+    ):
+        # Fast path: widening to float32 is exact, so the argmax (ties included) is the same.
+        return logits.argmax(dim=-1)
+    logits = apply_logits_processors(logits.float(), st)
     greedy_ids = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy_ids

@@ -113,14 +113,14 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         rows = torch.tensor([i for i, _ in sampling])
-        logits = self.model.compute_logits(hidden[cu_q[rows + 1] - 1]).float()  # [B, V]
+        logits = self.model.compute_logits(hidden[cu_q[rows + 1] - 1])  # [B, V], model dtype
         sampled = [r for _, r in sampling]
         st = SamplingTensors.from_requests(sampled, self.vocab_size)
         token_ids = sample(logits, st, self.generator)
         logprobs = None
         if any(r.sampling_params.logprobs is not None for r in sampled):
             num_top = [r.sampling_params.logprobs or 0 for r in sampled]
-            logprobs = compute_logprobs(logits, token_ids, num_top)
+            logprobs = compute_logprobs(logits.float(), token_ids, num_top)
             logprobs = [
                 lp if r.sampling_params.logprobs is not None else None
                 for lp, r in zip(logprobs, sampled, strict=True)
