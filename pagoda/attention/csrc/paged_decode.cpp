@@ -45,10 +45,13 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
   const int64_t D = kD > 0 ? kD : D_;
   const int64_t G = H / KVH;
   const int64_t row_stride = KVH * D;  // between consecutive tokens of a block
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  // Dynamic schedule: contexts differ in length, so equal halves would leave a thread idle.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
     std::vector<float> qf(G * D), acc(G * D), inv_sum(G), scores;
     float row[kMaxHeadDim];
-    for (int64_t item = begin; item < end; ++item) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * KVH; ++item) {
       const int64_t b = item / KVH, kvh = item % KVH;
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
@@ -103,7 +106,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
       }
     }
-  });
+  }
 }
 
 }  // namespace
