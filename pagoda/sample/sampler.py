@@ -154,8 +154,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator
         and st.bias is None
         and st.repetition is None
     ):
-        # Fast path: widening to float32 is exact, so the argmax (ties included) is the same.
-        return logits.argmax(dim=-1)
+        # Fast path, no processors. (argmax over float32 is faster here than over bf16.)
+        return logits.float().argmax(dim=-1)
     logits = apply_logits_processors(logits.float(), st)
     greedy_ids = logits.argmax(dim=-1)
     if st.all_greedy:

@@ -45,13 +45,16 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
   const int64_t D = kD > 0 ? kD : D_;
   const int64_t G = H / KVH;
   const int64_t row_stride = KVH * D;  // between consecutive tokens of a block
-  // Dynamic schedule: contexts differ in length, so equal halves would leave a thread idle.
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
+  // Torch's own thread pool (a second OpenMP runtime would spin against it). Each
+  // thread takes every T-th item: contexts differ in length, and contiguous halves
+  // would leave one thread idle.
+  const int64_t num_items = B * KVH;
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, num_workers, 1, [&](int64_t first, int64_t last) {
     std::vector<float> qf(G * D), acc(G * D), inv_sum(G), scores;
     float row[kMaxHeadDim];
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < B * KVH; ++item) {
+    for (int64_t t = first; t < last; ++t)
+    for (int64_t item = t; item < num_items; item += num_workers) {
       const int64_t b = item / KVH, kvh = item % KVH;
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
@@ -106,7 +109,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
       }
     }
-  }
+  });
 }
 
 }  // namespace
