@@ -37,7 +37,6 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token (plus the chosen one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     # Filled in by the engine (generation config, tokenizer); not user-facing.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)

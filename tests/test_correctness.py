@@ -162,20 +162,15 @@ def test_min_tokens_and_ignore_eos(tiny_llama):
     llm = _llm(tiny_llama)
     eos = llm.llm_engine.model_config.eos_token_ids[0]
     prompt = {"prompt_token_ids": tiny_prompts(llm.get_tokenizer(), n=1, seed=9)[0]}
-    # Forcing EOS to be the only allowed... instead: a stop id that is the greedy first token.
-    first = (
-        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
-        .outputs[0]
-        .token_ids[0]
-    )
-    out = llm.generate(
-        prompt,
-        SamplingParams(temperature=0, max_tokens=10, min_tokens=4, stop_token_ids=[first]),
-        use_tqdm=False,
-    )[0].outputs[0]
-    assert len(out.token_ids) >= 4 and first not in out.token_ids[:4]
-    out = llm.generate(
-        prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
-    )[0]
-    assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length"
-    assert eos in llm.llm_engine.model_config.eos_token_ids
+
+    def run(**kwargs):
+        # A huge bias makes EOS the greedy choice at every step, unless something forbids it.
+        params = SamplingParams(temperature=0, max_tokens=12, logit_bias={eos: 100.0}, **kwargs)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+    out = run()
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    out = run(min_tokens=4)  # EOS masked for 4 tokens, then taken
+    assert len(out.token_ids) == 5 and eos not in out.token_ids[:4] and out.token_ids[4] == eos
+    out = run(ignore_eos=True)  # EOS sampled but never stops the request
+    assert out.token_ids == [eos] * 12 and out.finish_reason == "length"

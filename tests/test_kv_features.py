@@ -51,17 +51,24 @@ def test_parallel_sampling_seeded_is_reproducible_and_distinct(tiny_llama):
     assert len({tuple(c.token_ids) for c in a.outputs}) == 4
 
 
-def test_swap_preemption_matches_recompute(tiny_llama):
-    prompts, expected = _reference(tiny_llama)
+def _swap_run(folder: str, host_blocks: int) -> LLM:
+    """The reference prompts through a 20-block cache that must preempt, in swap mode;
+    asserts greedy outputs equal transformers'."""
+    prompts, expected = _reference(folder)
     llm = LLM(
-        tiny_llama,
+        folder,
         dtype="float32",
         kv_cache_memory_bytes=20 * BLOCK_BYTES,
         max_model_len=160,
         preemption_mode="swap",
-        swap_space=64 * BLOCK_BYTES,
+        swap_space=host_blocks * BLOCK_BYTES,
     )
     assert pagoda_greedy(llm, prompts) == expected
+    return llm
+
+
+def test_swap_preemption_matches_recompute(tiny_llama):
+    llm = _swap_run(tiny_llama, host_blocks=64)
     stats = llm.llm_engine.get_stats()
     assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] == 0
     assert stats["num_blocks_used"] == 0 and stats["num_requests_swapped"] == 0
@@ -69,17 +76,7 @@ def test_swap_preemption_matches_recompute(tiny_llama):
 
 
 def test_swap_falls_back_to_recompute_when_host_pool_is_full(tiny_llama):
-    prompts, expected = _reference(tiny_llama)
-    llm = LLM(
-        tiny_llama,
-        dtype="float32",
-        kv_cache_memory_bytes=20 * BLOCK_BYTES,
-        max_model_len=160,
-        preemption_mode="swap",
-        swap_space=2 * BLOCK_BYTES,
-    )
-    assert pagoda_greedy(llm, prompts) == expected
-    stats = llm.llm_engine.get_stats()
+    stats = _swap_run(tiny_llama, host_blocks=2).llm_engine.get_stats()
     assert stats["num_preemptions_recompute"] > 0
 
 
@@ -109,7 +106,7 @@ def test_priority_request_preempts_lower_priority(tiny_llama):
         SamplingParams(temperature=0, max_tokens=5),
         priority=0,
     )
-    outs = engine.step()
+    engine.step()
     running = {r.request_id for r in engine.scheduler.running}
     assert "high" in running
     assert engine.get_stats()["num_preemptions"] >= 1
@@ -118,7 +115,6 @@ def test_priority_request_preempts_lower_priority(tiny_llama):
         finished_order += [o.request_id for o in engine.step() if o.finished]
     assert finished_order[0] == "high" and set(finished_order) == {"high", "low0", "low1"}
     assert engine.get_stats()["num_blocks_used"] == 0
-    del outs
 
 
 def test_logprobs_match_hf(tiny_llama):

@@ -87,12 +87,25 @@ def format_table(results: list[dict[str, Any]], baseline: str | None = None) -> 
     return "\n".join(lines)
 
 
-def plot_compare(path: str, results: list[dict[str, Any]], title: str) -> None:
+def _pyplot():
+    """matplotlib without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt, fig, path: str, title: str) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_compare(path: str, results: list[dict[str, Any]], title: str) -> None:
+    plt = _pyplot()
     names = [r["system"] for r in results]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     panels = [
@@ -106,19 +119,12 @@ def plot_compare(path: str, results: list[dict[str, Any]], title: str) -> None:
         ax.set_title(label)
         ax.tick_params(axis="x", rotation=30)
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_sweep(path: str, series: dict[str, list[dict[str, Any]]], title: str) -> None:
     """One line per system: throughput vs P99 TTFT and vs P99 TPOT across request rates."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, points in series.items():
         thr = [p["output_throughput"] for p in points]
@@ -129,19 +135,12 @@ def plot_sweep(path: str, series: dict[str, list[dict[str, Any]]], title: str) -
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_latency_cdf(path: str, results: list[dict[str, Any]], title: str) -> None:
     """One line per result: the CDF of per-request TTFT and of TPOT (from `per_request`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
@@ -154,7 +153,4 @@ def plot_latency_cdf(path: str, results: list[dict[str, Any]], title: str) -> No
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, title)

@@ -86,7 +86,9 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = (
+        True  # accepted for vLLM clients; fast tokenizers ignore it
+    )
     priority: int = 0
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

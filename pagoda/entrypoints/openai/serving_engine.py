@@ -192,7 +192,6 @@ class OpenAIServing:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
                 skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens,
             )
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), param_of(ValueError(str(e)), renames)) from e
