@@ -1,5 +1,5 @@
 """The real default model: SmolLM2-135M-Instruct from its GGUF file, against transformers
-loading the same GGUF (dequantized), float32, greedy, token for token."""
+loading the same GGUF (dequantized): float32 token for token, bfloat16 by greedy agreement."""
 
 from __future__ import annotations
 
@@ -33,17 +33,22 @@ def gguf_path():
     return path
 
 
-def test_smollm2_gguf_matches_hf(gguf_path):
+def load_hf(gguf_path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=dtype
+    ).eval()
+
+
+def test_smollm2_gguf_matches_hf(gguf_path):
 
     llm = LLM(gguf_path, dtype="float32", kv_cache_memory_bytes=1 << 28)
     tok = llm.get_tokenizer()
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    ).eval()
+    hf = load_hf(gguf_path, torch.float32)
     for conv, out in zip(convs, outs, strict=True):
         ids = torch.tensor(
             [
@@ -59,3 +64,30 @@ def test_smollm2_gguf_matches_hf(gguf_path):
             )
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), conv
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_smollm2_bf16_greedy_agrees_with_hf_bf16(gguf_path):
+    """In bf16, two correct engines differ in the last bit of some attention
+    outputs (summation order), and greedy decoding then parts at the first
+    near-tie of the top two logits: position-wise agreement after that measures
+    luck, not fidelity. So this checks every pagoda token against HF bf16's own
+    greedy choice on the same prefix, HF decoding with its KV cache step by step
+    (decode numerics on both sides). The target is 90% (issue 6)."""
+    from transformers import DynamicCache
+
+    llm = LLM(gguf_path, dtype="bfloat16", kv_cache_memory_bytes=1 << 28)
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+    outs = llm.chat(convs, params, use_tqdm=False)
+    hf = load_hf(gguf_path, torch.bfloat16)
+    agree = total = 0
+    for out in outs:
+        cache, step_ids = DynamicCache(), torch.tensor([out.prompt_token_ids])
+        for token in out.outputs[0].token_ids:
+            with torch.inference_mode():
+                logits = hf(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
+            agree += int(logits[0, -1].float().argmax()) == token
+            total += 1
+            step_ids = torch.tensor([[token]])
+    assert total == 8 * 32
+    assert agree / total >= 0.9, f"bf16 greedy agreement with HF bf16: {agree}/{total}"
