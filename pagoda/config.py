@@ -26,7 +26,7 @@ class ModelConfig:
     is_gguf: bool
     hf_config: dict[str, Any] = field(repr=False, hash=False)
     dtype: str  # "float32" | "bfloat16" | "float16"
-    attention_backend: str  # "auto" | "torch" (the reference) | "cpu" (C++ decode kernel)
+    attention_backend: str  # "auto" | "torch" (pure PyTorch) | "cpu" (C++ kernels, required)
     max_model_len: int
     max_model_len_is_default: bool
     eos_token_ids: tuple[int, ...]

@@ -105,3 +105,27 @@ def test_kernel_handles_long_contexts_and_head_dims():
             torch.testing.assert_close(
                 out[i : i + 1].double(), dense_reference(qi, k, v, D**-0.5), atol=1e-5, rtol=1e-5
             )
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
+def test_small_gemm_rounds_like_a_float32_accumulation(rows):
+    """The small-M bf16 GEMM (decode linears) against float64: off only by the final
+    bf16 rounding, as oneDNN is, for odd K (masked tail) and N (row tail), with bias."""
+    module = cpu_kernels.load()
+    if module is None or not module.small_gemm_available():
+        pytest.skip("no C++ toolchain or no AVX512-BF16")
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((960, 576), (37, 70), (5, 1536)):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        for b in (None, bias):
+            got = module.small_gemm(x, w, b)
+            exact = torch.nn.functional.linear(
+                x.double(), w.double(), None if b is None else b.double()
+            )
+            # bf16 keeps 8 significant bits: half a unit in the last place, relative.
+            assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-3)
+            onednn = torch.nn.functional.linear(x, w, b)
+            assert (got != onednn).float().mean() < 0.01

@@ -13,7 +13,10 @@ import os
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_SOURCES = [
+    os.path.join(os.path.dirname(__file__), "csrc", name)
+    for name in ("module.cpp", "paged_decode.cpp", "small_gemm.cpp")
+]
 
 
 def _cpu_tag() -> str:
@@ -28,14 +31,14 @@ def _cpu_tag() -> str:
 
 @functools.cache
 def load():
-    """The compiled module (with `paged_decode_attention`), or None if it cannot be built."""
+    """The compiled module (`paged_decode_attention`, `small_gemm`), or None if it cannot be built."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 
         logger.info("Building pagoda's CPU attention kernel (first use only; cached afterwards)...")
         return load_extension(
             name=f"pagoda_cpu_attention_{_cpu_tag()}",
-            sources=[_SOURCE],
+            sources=_SOURCES,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++20"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

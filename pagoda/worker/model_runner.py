@@ -17,6 +17,8 @@ from pagoda.attention.context import AttentionMetadata, forward_context
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.model_executor import model_loader
+from pagoda.model_executor.layers.attention import Attention
+from pagoda.model_executor.layers.linear import Linear
 from pagoda.model_executor.models import MODEL_REGISTRY
 from pagoda.sample.sampler import SamplingTensors, compute_logprobs, sample
 
@@ -35,6 +37,7 @@ class ModelRunner:
         self.vocab_size = cfg["vocab_size"]
         self.model = self._load_model(model_config)
         self.num_blocks = self._allocate_kv_cache(cfg, cache_config.kv_cache_memory_bytes)
+        self._bind_cpu_kernels()
         # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
         self.num_host_blocks = cache_config.swap_space_bytes // self.bytes_per_block
         self.host_kv_cache = torch.zeros(
@@ -49,7 +52,7 @@ class ModelRunner:
         return model.to(self.dtype).eval()
 
     def _allocate_kv_cache(self, cfg: dict, budget_bytes: int) -> int:
-        layers = [m for m in self.model.modules() if type(m).__name__ == "Attention"]
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         attn = layers[0]
         elem = torch.tensor([], dtype=self.dtype).element_size()
         bytes_per_block = (
@@ -72,10 +75,8 @@ class ModelRunner:
             attn.head_dim,
             dtype=self.dtype,
         )
-        decode_kernel = self._decode_kernel()
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-            layer.decode_kernel = decode_kernel
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d bytes per token)",
             num_blocks,
@@ -85,18 +86,26 @@ class ModelRunner:
         )
         return num_blocks
 
-    def _decode_kernel(self):
+    def _bind_cpu_kernels(self) -> None:
+        """Hand the C++ kernels (decode attention; small-M bf16 GEMM) to the layers;
+        without them (attention_backend "torch", or no compiler) PyTorch runs everything."""
         backend = self.model_config.attention_backend
         if backend == "torch" or self.dtype not in (torch.float32, torch.bfloat16):
-            return None
+            return
         from pagoda.attention import cpu_kernels
 
-        module = cpu_kernels.load()
-        if module is None and backend == "cpu":
-            raise ValueError(
-                "attention_backend 'cpu': the C++ kernel could not be built (see the log)."
-            )
-        return module.paged_decode_attention if module is not None else None
+        kernels = cpu_kernels.load()
+        if kernels is None:
+            if backend == "cpu":
+                raise ValueError(
+                    "attention_backend 'cpu': the C++ kernel could not be built (see the log)."
+                )
+            return
+        for m in self.model.modules():
+            if isinstance(m, Attention):
+                m.decode_kernel = kernels.paged_decode_attention
+            elif isinstance(m, Linear) and self.dtype == torch.bfloat16:
+                m.small_gemm = kernels.small_gemm if kernels.small_gemm_available() else None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -4,7 +4,7 @@
 // Work is split over (sequence, kv head) pairs; each pair serves the G = H / KVH
 // query heads that share its K/V rows (GQA), so every K/V row is read once.
 // Two passes: scores (reads K), then the softmax-weighted sum (reads V).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -116,8 +116,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
 
 // q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
 // seq_lens: [B] int64 (>= 1). Returns [B, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_decode_attention: dtype mismatch");
@@ -130,7 +130,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(D <= kMaxHeadDim && k_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: bad shapes");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_decode_attention: float32 or bfloat16 only");
   auto run = [&](auto type_tag, auto fixed_dim) {
@@ -148,8 +148,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   if (q.scalar_type() == at::kFloat) by_dim(std::type_identity<float>{});
   else by_dim(std::type_identity<at::BFloat16>{});
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
 }

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import RMSNorm
+from pagoda.model_executor.layers.linear import Linear
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
 
 
@@ -31,8 +32,8 @@ class LlamaAttention(nn.Module):
         bias = (
             bool(cfg.get("attention_bias", False)) or cfg["architectures"][0] == "Qwen2ForCausalLM"
         )
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.rotary_emb = RotaryEmbedding(
             self.head_dim,
             cfg.get("max_position_embeddings", 2048),
@@ -60,8 +61,8 @@ class LlamaMLP(nn.Module):
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu).")
         bias = bool(cfg.get("mlp_bias", False))
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -118,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,13 @@
+// The Python bindings of pagoda's CPU kernels (one extension, built on first use).
+#include <torch/extension.h>
+
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
+bool small_gemm_available();
+at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("small_gemm_available", &small_gemm_available, "Whether small_gemm was built (AVX512-BF16)");
+  m.def("small_gemm", &small_gemm, "y = x @ w.T (+ bias) for a few bf16 rows (CPU)");
+}
