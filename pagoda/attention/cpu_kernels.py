@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
-    for name in ("module.cpp", "paged_decode.cpp", "small_gemm.cpp")
+    for name in ("module.cpp", "paged_decode.cpp", "small_gemm.cpp", "fused_ops.cpp")
 ]
 
 
@@ -31,7 +31,8 @@ def _cpu_tag() -> str:
 
 @functools.cache
 def load():
-    """The compiled module (`paged_decode_attention`, `small_gemm`), or None if it cannot be built."""
+    """The compiled module (decode attention, small-M GEMM, fused norm and rotary),
+    or None if it cannot be built."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 

@@ -18,7 +18,9 @@ from pagoda.config import CacheConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.model_executor import model_loader
 from pagoda.model_executor.layers.attention import Attention
+from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.linear import Linear
+from pagoda.model_executor.layers.rotary import RotaryEmbedding
 from pagoda.model_executor.models import MODEL_REGISTRY
 from pagoda.sample.sampler import SamplingTensors, compute_logprobs, sample
 
@@ -87,7 +89,8 @@ class ModelRunner:
         return num_blocks
 
     def _bind_cpu_kernels(self) -> None:
-        """Hand the C++ kernels (decode attention; small-M bf16 GEMM) to the layers;
+        """Hand the C++ kernels (decode attention, fused norm and rotary, small-M bf16
+        GEMM) to the layers;
         without them (attention_backend "torch", or no compiler) PyTorch runs everything."""
         backend = self.model_config.attention_backend
         if backend == "torch" or self.dtype not in (torch.float32, torch.bfloat16):
@@ -104,6 +107,8 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, Attention):
                 m.decode_kernel = kernels.paged_decode_attention
+            elif isinstance(m, (RMSNorm, RotaryEmbedding)):
+                m.kernels = kernels
             elif isinstance(m, Linear) and self.dtype == torch.bfloat16:
                 m.small_gemm = kernels.small_gemm if kernels.small_gemm_available() else None
 

@@ -5,9 +5,15 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 bool small_gemm_available();
 at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
   m.def("small_gemm_available", &small_gemm_available, "Whether small_gemm was built (AVX512-BF16)");
   m.def("small_gemm", &small_gemm, "y = x @ w.T (+ bias) for a few bf16 rows (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, n] rows (CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "Rotary embedding in place, rotate-half layout (CPU)");
 }

@@ -31,6 +31,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
+    kernels = None  # pagoda's C++ ops when the model runner binds them: in place, one pass
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None
     ) -> None:
@@ -46,6 +48,9 @@ class RotaryEmbedding(nn.Module):
 
         One pass over both halves: half the small ops of rotating q and k apart.
         """
+        if self.kernels is not None:
+            self.kernels.rotary_embedding(qk, positions, self.cos, self.sin)
+            return qk
         cos = self.cos[positions].unsqueeze(1).to(qk.dtype)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(qk.dtype)
         return _rotate(qk, cos, sin)

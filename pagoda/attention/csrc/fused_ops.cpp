@@ -1,0 +1,127 @@
+// The small per-layer ops, fused: one pass each instead of the 9-15 PyTorch ops
+// (and their Python dispatch) they replace. Each rounds where Hugging Face's
+// eager code rounds, so bf16 results match it up to the order of float sums.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+// Rounds to T and back: where the eager code stores a T intermediate.
+template <typename T>
+inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// out = w * T(h * rsqrt(mean(h^2) + eps)), h = float(x): HF's LlamaRMSNorm.
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < n; ++i) sum_sq += to_f(x[i]) * to_f(x[i]);
+  const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<T>(to_f(w[i]) * round_to<T>(to_f(x[i]) * inv_rms));
+}
+
+template <typename F>
+void dispatch(const at::Tensor& t, const char* name, F&& f) {
+  if (t.scalar_type() == at::kFloat) f(float{});
+  else if (t.scalar_type() == at::kBFloat16) f(at::BFloat16{});
+  else TORCH_CHECK(false, name, ": float32 or bfloat16 only");
+}
+
+// Products and sums rounded one at a time, like eager PyTorch (no fused multiply-add).
+template <typename T, typename C>
+__attribute__((optimize("fp-contract=off"))) void rotate_row(T* x, const C* cos_row,
+                                                             const C* sin_row, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = round_to<T>(to_f(cos_row[i])), s = round_to<T>(to_f(sin_row[i]));
+    const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+    const float a = round_to<T>(x1 * c), b = round_to<T>(x2 * s);
+    const float d = round_to<T>(x2 * c), e = round_to<T>(x1 * s);
+    x[i] = static_cast<T>(a - b);
+    x[i + half] = static_cast<T>(d + e);
+  }
+}
+
+}  // namespace
+
+// x: [T, n] -> rms_norm(x) * weight, a new tensor.
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "rms_norm: bad shapes");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: dtype mismatch");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// In place: residual <- x + residual (rounded to the dtype), x <- rms_norm(residual) * weight.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && x.size(1) == weight.size(0),
+              "fused_add_rms_norm: bad shapes");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(), "fused_add_rms_norm: contiguous inputs only");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "fused_add_rms_norm: dtype mismatch");
+  weight = weight.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x, "fused_add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = x.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        T* xr = xp + r * n;
+        T* rr = rp + r * n;
+        for (int64_t i = 0; i < n; ++i) rr[i] = static_cast<T>(to_f(xr[i]) + to_f(rr[i]));
+        norm_row(rr, wp, xr, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// In place on x: [T, heads, D] (rotate-half layout); positions: [T] int64;
+// cos/sin: [max_position, D / 2], float32 or x's dtype, cast to x's dtype as HF does.
+void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: x must be [T, heads, D], D contiguous");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && cos.scalar_type() == sin.scalar_type() &&
+                  (cos.scalar_type() == at::kFloat || cos.scalar_type() == x.scalar_type()) &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "rotary_embedding: positions int64; cos/sin contiguous, float32 or x's dtype");
+  const int64_t T = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos.size(1) == half, "rotary_embedding: cos/sin width must be D / 2");
+  positions = positions.contiguous();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_embedding: position out of range");
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  dispatch(x, "rotary_embedding", [&](auto tag) {
+    using S = decltype(tag);
+    S* xp = x.data_ptr<S>();
+    auto run = [&](const auto* cp, const auto* sp) {
+      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t h = 0; h < heads; ++h)
+            rotate_row(xp + t * st + h * sh, cp + pos[t] * half, sp + pos[t] * half, half);
+      });
+    };
+    if (cos.scalar_type() == at::kFloat) run(cos.data_ptr<float>(), sin.data_ptr<float>());
+    else run(cos.data_ptr<S>(), sin.data_ptr<S>());
+  });
+}
