@@ -4,8 +4,25 @@
 // Work is split over (sequence, kv head) pairs; each pair serves the G = H / KVH
 // query heads that share its K/V rows (GQA), so every K/V row is read once.
 // Two passes: scores (reads K), then the softmax-weighted sum (reads V).
+//
+// The softmax's exp runs 16 lanes at a time with at::vec's exp_u20, the same
+// approximation torch's CPU flash attention uses (and so HF's SDPA path).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#endif
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAGODA_BF16_DOT 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +54,69 @@ inline void prefetch_block(const T* first_row, int64_t rows, int64_t row_stride,
       __builtin_prefetch(reinterpret_cast<const char*>(first_row + j * row_stride) + off);
 }
 
+#ifdef PAGODA_BF16_DOT
+// v[i] -> lane i of the result holds the sum of v[i]'s 16 lanes: 16 horizontal sums
+// for the price of about three, by transposing as it adds.
+inline __m512 sum_lanes_16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int j = 0; j < 8; ++j)  // within 128-bit lanes, pairs of vectors
+    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int k = 0; k < 4; ++k) {  // within 128-bit lanes, quads: lane L holds v[4k..4k+3]'s partial sums
+    const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+    b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // across 128-bit lanes: 128-bit lane k of the result is b[k] summed over its four lanes
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// scores[j] = scale * q . k_j for the n rows of one block: bf16 pairs straight into
+// float32 dot products (AVX512-BF16; products are exact), 16 rows per reduction.
+template <int64_t kD>
+inline void bf16_scores(const at::BFloat16* q, const at::BFloat16* k_block, int64_t n,
+                        int64_t row_stride, float scale, float* scores) {
+  constexpr int64_t kChunks = kD / 32;
+  __m512bh qv[kChunks];
+  for (int64_t c = 0; c < kChunks; ++c)
+    qv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + c * 32));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    __m512 acc[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j >= count) continue;
+      const at::BFloat16* row = k_block + (j0 + j) * row_stride;
+      for (int64_t c = 0; c < kChunks; ++c)
+        acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + c * 32)));
+    }
+    const __mmask16 mask = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+    _mm512_mask_storeu_ps(scores + j0, mask, _mm512_mul_ps(sum_lanes_16(acc), vscale));
+  }
+}
+#endif
+
+// s <- exp(s - max(s)); returns the sum. Vector lanes first, then a scalar tail.
+inline float softmax_numerators(float* s, int64_t len) {
+  using Vec = at::vec::Vectorized<float>;
+  const float m = *std::max_element(s, s + len);
+  const Vec vm(m);
+  Vec vsum(0.f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= len; t += Vec::size()) {
+    const Vec e = (Vec::loadu(s + t) - vm).exp_u20();
+    vsum = vsum + e;
+    e.store(s + t);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  for (; t < len; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
 // kD > 0 fixes the head dim at compile time (fully unrolled inner loops); 0 reads `D_`.
 template <typename T, int64_t kD>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
@@ -59,15 +139,20 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
       scores.resize(G * len);
-      for (int64_t g = 0; g < G; ++g) {
-        load_row(q + (b * H + kvh * G + g) * D, qf.data() + g * D, D);
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
-      }
+      for (int64_t g = 0; g < G; ++g) load_row(q + (b * H + kvh * G + g) * D, qf.data() + g * D, D);
       // Walk the context block by block: no division per token.
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
         const T* k_block = k_cache + table[start / block_size] * block_size * row_stride + kvh * D;
         if (start + block_size < len) prefetch_block(k_cache + table[start / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
+#ifdef PAGODA_BF16_DOT
+        if constexpr (std::is_same_v<T, at::BFloat16> && kD > 0 && kD % 32 == 0) {
+          for (int64_t g = 0; g < G; ++g)
+            bf16_scores<kD>(q + (b * H + kvh * G + g) * D, k_block, n, row_stride, scale,
+                            scores.data() + g * len + start);
+          continue;
+        }
+#endif
         for (int64_t j = 0; j < n; ++j) {
           load_row(k_block + j * row_stride, row, D);
           for (int64_t g = 0; g < G; ++g) {
@@ -75,20 +160,11 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-            scores[g * len + start + j] = dot;
+            scores[g * len + start + j] = dot * scale;
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * len;
-        const float m = *std::max_element(s, s + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
-        }
-        inv_sum[g] = 1.f / sum;
-      }
+      for (int64_t g = 0; g < G; ++g) inv_sum[g] = 1.f / softmax_numerators(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
