@@ -1,0 +1,130 @@
+"""pagoda's C++ CPU kernels against what they replace, one model step's worth each.
+
+    python benchmarks/kernels.py
+
+Shapes are SmolLM2-135M's (30 layers, hidden 576, 9 query / 3 KV heads of 64,
+MLP 1536, vocab 49152), in bf16. Every layer gets its own weights and KV slab,
+so nothing is timed out of a warm cache that a real step would not have.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.attention import cpu_kernels
+from pagoda.attention.torch_paged import _gather
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 30, 576, 9, 3, 64, 49152
+LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+
+
+def best_ms(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * min(times)
+
+
+def linears(kernels) -> None:
+    layers = [
+        [torch.randn(o, i).bfloat16() * 0.02 for o, i in LINEAR_SHAPES] for _ in range(LAYERS)
+    ]
+    lm_head = torch.randn(VOCAB, HIDDEN).bfloat16() * 0.02
+    weight_gb = (sum(w.numel() for ws in layers for w in ws) + lm_head.numel()) * 2 / 1e9
+    for rows in (1, 4, 8, 16, 64):
+        xs = [torch.randn(rows, i).bfloat16() for _, i in LINEAR_SHAPES]
+
+        def step(matmul, xs=xs):
+            def run():
+                for ws in layers:
+                    for w, x in zip(ws, xs, strict=True):
+                        matmul(x, w)
+                matmul(xs[0], lm_head)
+
+            return run
+
+        onednn = best_ms(step(F.linear))
+        ours = best_ms(step(lambda x, w: kernels.small_gemm(x, w, None)))
+        print(
+            f"linears, {rows:>2} rows: oneDNN {onednn:6.1f} ms  small_gemm {ours:6.1f} ms"
+            f"  ({onednn / ours:.2f}x; small_gemm streams weights at {weight_gb / ours * 1e3:.0f} GB/s)"
+        )
+
+
+def decode_attention(kernels, batch: int = 64, context: int = 300, block_size: int = 16) -> None:
+    blocks = -(-context // block_size)
+    tables = torch.randperm(batch * blocks).view(batch, blocks)  # scattered, as after churn
+    lens = torch.full((batch,), context, dtype=torch.long)
+    q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    shape = (batch * blocks, block_size, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(LAYERS)]
+    scale = HEAD_DIM**-0.5
+
+    def kernel():
+        for k, v in caches:
+            kernels.paged_decode_attention(q, k, v, tables, lens, scale)
+
+    mask = (torch.arange(blocks * block_size) < context)[None, None, None, :]
+
+    def sdpa():  # the reference backend's batched path: gather, then one masked SDPA call
+        for k, v in caches:
+            keys = _gather(k, tables).transpose(1, 2)
+            values = _gather(v, tables).transpose(1, 2)
+            F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+
+    ours, ref = best_ms(kernel, 3), best_ms(sdpa, 3)
+    kv_gb = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 * LAYERS / 1e9
+    print(
+        f"decode attention, B={batch}, context {context}: kernel {ours:.1f} ms"
+        f" ({kv_gb / ours * 1e3:.1f} GB/s of K/V), gather + SDPA {ref:.1f} ms ({ref / ours:.1f}x)"
+    )
+
+
+def norm_and_rotary(kernels) -> None:
+    from pagoda.model_executor.layers.layernorm import RMSNorm
+    from pagoda.model_executor.layers.rotary import RotaryEmbedding
+
+    for rows in (1, 64, 2048):
+        norm = RMSNorm(HIDDEN).bfloat16()
+        rotary = RotaryEmbedding(HEAD_DIM, 8192, 100000.0).bfloat16()
+        x, residual = torch.randn(rows, HIDDEN).bfloat16(), torch.randn(rows, HIDDEN).bfloat16()
+        qk = torch.randn(rows, HEADS + KV_HEADS, HEAD_DIM).bfloat16()
+        positions = torch.randint(0, 8192, (rows,))
+        times = {}
+        for name, bound in (("torch", None), ("fused", kernels)):
+            norm.kernels = rotary.kernels = bound
+
+            times[name] = best_ms(
+                lambda norm=norm, rotary=rotary, x=x, r=residual, qk=qk, pos=positions: [
+                    (norm(x.clone(), r.clone()), rotary(pos, qk)) for _ in range(LAYERS)
+                ]
+            )
+        print(
+            f"add+RMSNorm and rotary, {rows:>4} rows, 30 layers: PyTorch {times['torch']:.2f} ms"
+            f"  fused {times['fused']:.2f} ms ({times['torch'] / times['fused']:.1f}x)"
+        )
+
+
+def main() -> None:
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the C++ kernels could not be built (see the log)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if kernels.small_gemm_available():
+        linears(kernels)
+    else:
+        print("small_gemm: not built (this CPU lacks AVX512-BF16)")
+    decode_attention(kernels)
+    norm_and_rotary(kernels)
+
+
+if __name__ == "__main__":
+    main()
