@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention import cpu_kernels
+from pagoda import cpu_kernels
 from pagoda.attention.torch_paged import _gather
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 30, 576, 9, 3, 64, 49152

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.attention import cpu_kernels
+from pagoda import cpu_kernels
 from pagoda.attention.context import AttentionMetadata
 from pagoda.attention.torch_paged import paged_attention, write_kv
 

@@ -45,7 +45,7 @@ def paged_attention(
     """q: [T, H, D], k/v: [T, KVH, D] (this step's, already written to the cache).
 
     `decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale)`, when
-    given, replaces the batched-SDPA decode (see cpu_kernels). Returns [T, H, D].
+    given, replaces the batched-SDPA decode (see pagoda.cpu_kernels). Returns [T, H, D].
     """
     nd = meta.num_decodes
     if decode_kernel is not None and nd == q.shape[0]:  # a decode-only step: no copy

@@ -95,7 +95,7 @@ class ModelRunner:
         backend = self.model_config.attention_backend
         if backend == "torch" or self.dtype not in (torch.float32, torch.bfloat16):
             return
-        from pagoda.attention import cpu_kernels
+        from pagoda import cpu_kernels
 
         kernels = cpu_kernels.load()
         if kernels is None:

@@ -1,7 +1,8 @@
 """C++ CPU kernels, compiled on first use with torch's extension builder (cached).
 
-If the compiler or ninja is missing, `load()` returns None and attention uses
-the pure-PyTorch reference instead.
+Decode attention, the small-M bf16 GEMM, fused RMSNorm and rotary (sources in
+`csrc/`). If the compiler or ninja is missing, `load()` returns None and the
+model runs on PyTorch alone.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ def load():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        logger.info("Building pagoda's CPU attention kernel (first use only; cached afterwards)...")
+        logger.info("Building pagoda's CPU kernels (first use only; cached afterwards)...")
         return load_extension(
-            name=f"pagoda_cpu_attention_{_cpu_tag()}",
+            name=f"pagoda_cpu_kernels_{_cpu_tag()}",
             sources=_SOURCES,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++20"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, unsupported platform: fall back
-        logger.warning("CPU attention kernel unavailable (%s); using the PyTorch reference.", e)
+        logger.warning("CPU kernels unavailable (%s); using PyTorch alone.", e)
         return None
