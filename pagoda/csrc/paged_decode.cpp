@@ -22,6 +22,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PAGODA_BF16_DOT 1
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
 #endif
 
 #include <algorithm>
@@ -124,6 +127,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
             int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t D = kD > 0 ? kD : D_;
   const int64_t G = H / KVH;
+  // bf16 with a head dim of whole 32-pair chunks: q.k straight from bf16 (bf16_scores).
+  constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<T, at::BFloat16> && kD > 0 && kD % 32 == 0;
   const int64_t row_stride = KVH * D;  // between consecutive tokens of a block
   // Torch's own thread pool (a second OpenMP runtime would spin against it). Each
   // thread takes every T-th item: contexts differ in length, and contiguous halves
@@ -139,14 +144,15 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
       scores.resize(G * len);
-      for (int64_t g = 0; g < G; ++g) load_row(q + (b * H + kvh * G + g) * D, qf.data() + g * D, D);
+      if constexpr (!kBf16Dot)
+        for (int64_t g = 0; g < G; ++g) load_row(q + (b * H + kvh * G + g) * D, qf.data() + g * D, D);
       // Walk the context block by block: no division per token.
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
         const T* k_block = k_cache + table[start / block_size] * block_size * row_stride + kvh * D;
         if (start + block_size < len) prefetch_block(k_cache + table[start / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
 #ifdef PAGODA_BF16_DOT
-        if constexpr (std::is_same_v<T, at::BFloat16> && kD > 0 && kD % 32 == 0) {
+        if constexpr (kBf16Dot) {
           for (int64_t g = 0; g < G; ++g)
             bf16_scores<kD>(q + (b * H + kvh * G + g) * D, k_block, n, row_stride, scale,
                             scores.data() + g * len + start);

@@ -1,0 +1,75 @@
+"""The non-attention C++ kernels against the PyTorch code they replace: the small-M
+bf16 GEMM (decode linears) and the fused RMSNorm and rotary embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import cpu_kernels
+
+
+def kernels_or_skip():
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("no C++ toolchain")
+    return module
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
+def test_small_gemm_rounds_like_a_float32_accumulation(rows):
+    """The small-M bf16 GEMM (decode linears) against float64: off only by the final
+    bf16 rounding, as oneDNN is, for odd K (masked tail) and N (row tail), with bias."""
+    module = kernels_or_skip()
+    if not module.small_gemm_available():
+        pytest.skip("no AVX512-BF16")
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((960, 576), (37, 70), (5, 1536)):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        for b in (None, bias):
+            got = module.small_gemm(x, w, b)
+            exact = torch.nn.functional.linear(
+                x.double(), w.double(), None if b is None else b.double()
+            )
+            # bf16 keeps 8 significant bits: half a unit in the last place, relative.
+            assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-3)
+            onednn = torch.nn.functional.linear(x, w, b)
+            assert (got != onednn).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_rotary_match_the_pytorch_layers(dtype):
+    """The C++ RMSNorm (plain and fused with the residual add) and rotary embedding
+    against the PyTorch layers they replace. They round where those round, so bf16 is
+    bit-exact; float32 may differ in the last bit of the norm's sum of squares."""
+    from pagoda.model_executor.layers.layernorm import RMSNorm
+    from pagoda.model_executor.layers.rotary import RotaryEmbedding
+
+    module = kernels_or_skip()
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(576, generator=g).to(dtype)
+    x = (torch.randn(37, 576, generator=g) * 3).to(dtype)
+    residual = torch.randn(37, 576, generator=g).to(dtype)
+    want, want_residual = norm(x.clone(), residual.clone())
+    want_plain = norm(x)
+    got, got_residual = x.clone(), residual.clone()
+    module.fused_add_rms_norm(got, got_residual, norm.weight, norm.eps)
+    exact = dtype == torch.bfloat16
+    tol = {"atol": 0.0, "rtol": 0.0} if exact else {"atol": 1e-5, "rtol": 1e-5}
+    assert torch.equal(got_residual, want_residual)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(module.rms_norm(x, norm.weight, norm.eps), want_plain, **tol)
+
+    rotary = RotaryEmbedding(64, 4096, 10000.0).to(dtype)
+    qkv = torch.randn(37, 15, 64, generator=g).to(dtype)
+    qk = qkv[:, :12]  # a strided view, as the model passes it
+    positions = torch.randint(0, 4096, (37,), generator=g)
+    want = rotary(positions, qk.clone())
+    module.rotary_embedding(qk, positions, rotary.cos, rotary.sin)
+    assert torch.equal(qk, want)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        module.rotary_embedding(qk, torch.full((37,), 4096), rotary.cos, rotary.sin)
