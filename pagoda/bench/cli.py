@@ -14,7 +14,7 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pagoda.entrypoints.cli import add_engine_args
+    from pagoda.entrypoints.arg_utils import add_engine_args
 
     bench = sub.add_parser("bench", help="benchmarks against peers (throughput, latency, serving)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    from pagoda.entrypoints.cli import engine_args_from
+    from pagoda.entrypoints.arg_utils import engine_args_from
 
     return dataclasses.asdict(engine_args_from(ns))
 

@@ -8,33 +8,7 @@ import logging
 import sys
 
 from pagoda import envs
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every `EngineArgs` field as a --flag (vLLM's spelling), defaults from the dataclass."""
-    from pagoda.config import EngineArgs
-
-    defaults = EngineArgs()
-    for f in dataclasses.fields(EngineArgs):
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif f.name in ("kv_cache_memory_bytes", "max_model_len", "num_threads"):
-            parser.add_argument(flag, type=int, default=default)
-        else:
-            parser.add_argument(flag, type=type(default), default=default)
-
-
-def engine_args_from(ns: argparse.Namespace):
-    from pagoda.config import EngineArgs
-
-    kwargs = {
-        f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)
-    }
-    return EngineArgs(**kwargs)
+from pagoda.entrypoints.arg_utils import add_engine_args, engine_args_from
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
