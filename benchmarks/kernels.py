@@ -14,8 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagoda import cpu_kernels
-from pagoda.attention.torch_paged import _gather
+from pagoda.ops import TORCH_OPS, cpu
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 30, 576, 9, 3, 64, 49152
 LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -70,15 +69,9 @@ def decode_attention(kernels, batch: int = 64, context: int = 300, block_size: i
         for k, v in caches:
             kernels.paged_decode_attention(q, k, v, tables, lens, scale)
 
-    mask = (torch.arange(blocks * block_size) < context)[None, None, None, :]
-
-    def sdpa():  # the reference backend's batched path: gather, then one masked SDPA call
+    def sdpa():  # the PyTorch twin: gather, then one masked SDPA call
         for k, v in caches:
-            keys = _gather(k, tables).transpose(1, 2)
-            values = _gather(v, tables).transpose(1, 2)
-            F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            TORCH_OPS.decode_attention(q, k, v, tables, lens, scale)
 
     ours, ref = best_ms(kernel, 3), best_ms(sdpa, 3)
     kv_gb = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 * LAYERS / 1e9
@@ -99,8 +92,8 @@ def norm_and_rotary(kernels) -> None:
         qk = torch.randn(rows, HEADS + KV_HEADS, HEAD_DIM).bfloat16()
         positions = torch.randint(0, 8192, (rows,))
         times = {}
-        for name, bound in (("torch", None), ("fused", kernels)):
-            norm.kernels = rotary.kernels = bound
+        for name, ops in (("torch", TORCH_OPS), ("fused", cpu.cpu_ops(torch.bfloat16))):
+            norm.ops = rotary.ops = ops
 
             times[name] = best_ms(
                 lambda norm=norm, rotary=rotary, x=x, r=residual, qk=qk, pos=positions: [
@@ -114,7 +107,7 @@ def norm_and_rotary(kernels) -> None:
 
 
 def main() -> None:
-    kernels = cpu_kernels.load()
+    kernels = cpu.load()
     if kernels is None:
         raise SystemExit("the C++ kernels could not be built (see the log)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+KERNEL_BACKENDS = ("auto", "torch", "cpu")  # as pagoda.ops has them (no torch here)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -26,7 +26,7 @@ class ModelConfig:
     is_gguf: bool
     hf_config: dict[str, Any] = field(repr=False, hash=False)
     dtype: str  # "float32" | "bfloat16" | "float16"
-    attention_backend: str  # "auto" | "torch" (pure PyTorch) | "cpu" (C++ kernels, required)
+    kernel_backend: str  # "auto" | "torch" (PyTorch alone) | "cpu" (the C++ kernels, required)
     max_model_len: int
     max_model_len_is_default: bool
     eos_token_ids: tuple[int, ...]
@@ -72,7 +72,7 @@ class EngineArgs:
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     seed: int = 0
     num_threads: int | None = None
-    attention_backend: str = "auto"
+    kernel_backend: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -96,9 +96,9 @@ class EngineArgs:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}."
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
+                f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}."
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
@@ -132,7 +132,7 @@ class EngineArgs:
             is_gguf=is_gguf,
             hf_config=hf_config,
             dtype=model_loader.resolve_dtype(self.dtype, hf_config),
-            attention_backend=self.attention_backend,
+            kernel_backend=self.kernel_backend,
             max_model_len=self.max_model_len or model_max_len,
             max_model_len_is_default=self.max_model_len is None,
             eos_token_ids=eos_token_ids,

@@ -13,11 +13,13 @@ two engines or two servers can live in one process. Two kinds of values:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pagoda.core.stats import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,20 +31,46 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
-# Engine stats key -> (metric name, help). Gauges are read as they are.
-_GAUGES = {
-    "num_requests_running": ("pagoda:num_requests_running", "Requests in the running batch."),
-    "num_requests_waiting": ("pagoda:num_requests_waiting", "Requests waiting to be scheduled."),
-    "num_requests_swapped": ("pagoda:num_requests_swapped", "Requests swapped out to host memory."),
-    "kv_cache_usage_perc": ("pagoda:kv_cache_usage_perc", "KV cache usage, percent of blocks."),
-    "num_blocks_used": ("pagoda:num_blocks_used", "KV cache blocks in use by requests."),
-    "num_blocks_total": ("pagoda:num_blocks_total", "KV cache blocks in all."),
+# Read from the engine's `SchedulerStats` at scrape time: name -> (help, value).
+_GAUGES: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
+    "pagoda:num_requests_running": (
+        "Sequences in the running batch.",
+        lambda s: s.num_requests_running,
+    ),
+    "pagoda:num_requests_waiting": (
+        "Sequences waiting to be scheduled.",
+        lambda s: s.num_requests_waiting,
+    ),
+    "pagoda:num_requests_swapped": (
+        "Sequences swapped out to host memory.",
+        lambda s: s.kv_cache.num_requests_swapped,
+    ),
+    "pagoda:kv_cache_usage_perc": (
+        "KV cache usage, percent of blocks.",
+        lambda s: s.kv_cache.usage_perc,
+    ),
+    "pagoda:kv_cache_fragmentation_perc": (
+        "Percent of the slots in running requests' blocks that hold no token.",
+        lambda s: s.kv_cache_fragmentation_perc,
+    ),
+    "pagoda:num_blocks_used": ("KV cache blocks in use.", lambda s: s.kv_cache.num_blocks_used),
+    "pagoda:num_blocks_total": ("KV cache blocks in all.", lambda s: s.kv_cache.num_blocks_total),
+    "pagoda:prefix_cache_hit_rate": (
+        "Prefix cache hits / queries, in tokens, since start.",
+        lambda s: s.kv_cache.prefix_cache_hit_rate,
+    ),
 }
-# Engine stats key -> (metric name without _total, help). Cumulative in the engine.
-_COUNTERS = {
-    "num_preemptions": ("pagoda:num_preemptions", "Preemptions since start."),
-    "prefix_cache_queries": ("pagoda:prefix_cache_queries", "Prefix cache queries, in tokens."),
-    "prefix_cache_hits": ("pagoda:prefix_cache_hits", "Prefix cache hits, in tokens."),
+# Cumulative in the engine; names without the _total suffix.
+_COUNTERS: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
+    "pagoda:num_preemptions": ("Preemptions since start.", lambda s: s.num_preemptions),
+    "pagoda:prefix_cache_queries": (
+        "Prefix cache queries, in tokens.",
+        lambda s: s.kv_cache.prefix_cache_queries,
+    ),
+    "pagoda:prefix_cache_hits": (
+        "Prefix cache hits, in tokens.",
+        lambda s: s.kv_cache.prefix_cache_hits,
+    ),
 }
 
 
@@ -59,19 +87,19 @@ def token_buckets(max_model_len: int) -> tuple[float, ...]:
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, model_name: str, stats_fn: Callable[[], Mapping[str, float]]) -> None:
+    def __init__(self, model_name: str, stats_fn: Callable[[], SchedulerStats]) -> None:
         self.model_name = model_name
         self.stats_fn = stats_fn
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats_fn()
-        for key, (name, doc) in _GAUGES.items():
+        for name, (doc, value) in _GAUGES.items():
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            family.add_metric([self.model_name], float(value(stats)))
             yield family
-        for key, (name, doc) in _COUNTERS.items():
+        for name, (doc, value) in _COUNTERS.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            family.add_metric([self.model_name], float(value(stats)))
             yield family
 
     def describe(self) -> Iterator[Metric]:
@@ -85,7 +113,7 @@ class EngineMetrics:
         self,
         model_name: str,
         max_model_len: int,
-        stats_fn: Callable[[], Mapping[str, float]] | None = None,
+        stats_fn: Callable[[], SchedulerStats] | None = None,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()

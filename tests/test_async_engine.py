@@ -8,6 +8,7 @@ import time
 import pytest
 
 from pagoda import LLM, EngineArgs, SamplingParams
+from pagoda.core.stats import KVCacheStats, SchedulerStats
 from pagoda.engine.async_engine import AsyncEngine, EngineNotAcceptingError, QueueFullError
 from pagoda.metrics import EngineMetrics
 from tests.conftest import tiny_prompts
@@ -56,7 +57,7 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine):
     async def run():
         gen = engine.generate("The quick brown fox", params, "to-close")
         seen = [await gen.__anext__() for _ in range(3)]
-        assert engine.get_stats()["num_blocks_used"] > 0
+        assert engine.get_stats().kv_cache.num_blocks_used > 0
         await gen.aclose()  # what a client disconnect does
         await engine.wait_idle()
         return seen
@@ -64,7 +65,7 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine):
     seen = asyncio.run(run())
     assert 3 <= len(seen[-1].outputs[0].token_ids) < 300
     stats = engine.get_stats()
-    assert stats["num_blocks_used"] == 0 and stats["num_requests_running"] == 0
+    assert stats.kv_cache.num_blocks_used == 0 and stats.num_requests_running == 0
     line = 'pagoda:request_success_total{finished_reason="abort",model_name="tiny"}'
     after = engine.metrics.render().decode()
     assert _value(after, line) == _value(before, line) + 1
@@ -88,7 +89,7 @@ def test_cancelling_the_consumer_aborts(engine):
 
     async def run():
         task = asyncio.create_task(_collect(engine, "Hello world", params, "to-cancel"))
-        while engine.get_stats()["num_requests_running"] == 0:
+        while engine.get_stats().num_requests_running == 0:
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -96,7 +97,7 @@ def test_cancelling_the_consumer_aborts(engine):
         await engine.wait_idle()
 
     asyncio.run(run())
-    assert engine.get_stats()["num_blocks_used"] == 0
+    assert engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_bad_input_raises_and_engine_goes_on(engine):
@@ -113,7 +114,7 @@ def test_bad_input_raises_and_engine_goes_on(engine):
 
     final = asyncio.run(run())
     assert final.finished and final.request_id == "dup"
-    assert engine.get_stats()["num_blocks_used"] == 0
+    assert engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_queue_limit(engine):
@@ -176,12 +177,23 @@ def test_shutdown_aborts_in_flight(tiny_llama):
     assert not first.finished
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert not engine.is_running
-    assert engine.engine.get_stats()["num_blocks_used"] == 0
+    assert engine.engine.get_stats().kv_cache.num_blocks_used == 0
+
+
+def _stats(num_running: int) -> SchedulerStats:
+    kv = KVCacheStats(
+        num_blocks_total=10,
+        num_blocks_used=4,
+        num_requests_swapped=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+    )
+    return SchedulerStats(num_running, 0, 0, 0, 0, 0, 0.0, kv)
 
 
 def test_metrics_registries_are_separate():
-    a = EngineMetrics("m", 512, lambda: {"num_requests_running": 3})
-    b = EngineMetrics("m", 512, lambda: {"num_requests_running": 5})
+    a = EngineMetrics("m", 512, lambda: _stats(3))
+    b = EngineMetrics("m", 512, lambda: _stats(5))
     a.prompt_tokens.inc(7)
     ta, tb = a.render().decode(), b.render().decode()
     assert _value(ta, 'pagoda:prompt_tokens_total{model_name="m"}') == 7

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda import cpu_kernels
 from pagoda.attention.context import AttentionMetadata
-from pagoda.attention.torch_paged import paged_attention, write_kv
+from pagoda.attention.paged import paged_attention, write_kv
+from pagoda.ops import cpu, select_ops
 
 
 def dense_reference(q, k, v, scale):
@@ -48,12 +48,9 @@ def build_batch(seq_lens, query_lens, block_size=4, H=6, KVH=2, D=16, dtype=torc
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_mixed_batch_matches_dense(dtype, tol, backend):
-    kernel = None
-    if backend == "cpu":
-        module = cpu_kernels.load()
-        if module is None:
-            pytest.skip("no C++ toolchain")
-        kernel = module.paged_decode_attention
+    if backend == "cpu" and cpu.load() is None:
+        pytest.skip("no C++ toolchain")
+    kernel = select_ops(backend, dtype).decode_attention
     # Three decodes (one has a single token of context), then prefills with and without context.
     seq_lens = [1, 9, 17, 6, 11, 8]
     query_lens = [1, 1, 1, 6, 3, 8]
@@ -92,7 +89,7 @@ def test_mixed_batch_matches_dense(dtype, tol, backend):
 def test_kernel_handles_long_contexts_and_head_dims(dtype, tol, block_size):
     """Head dims 64 and 128 take the compiled fast paths (bf16: AVX512-BF16 dot
     products, 16 keys per reduction, partial chunks masked); 24 the generic one."""
-    module = cpu_kernels.load()
+    module = cpu.load()
     if module is None:
         pytest.skip("no C++ toolchain")
     for D, H, KVH in ((64, 9, 3), (128, 4, 4), (24, 4, 2)):

@@ -56,7 +56,7 @@ def test_greedy_matches_hf(tiny_models, arch):
     prompts, expected = _reference(folder)
     got = pagoda_greedy(_llm(folder), prompts)  # all 16 in one generate call
     assert got == expected
-    assert _llm(folder).llm_engine.get_stats()["num_blocks_used"] == 0
+    assert _llm(folder).llm_engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 @pytest.mark.parametrize(
@@ -66,14 +66,14 @@ def test_greedy_matches_hf(tiny_models, arch):
         pytest.param(dict(max_num_seqs=64), id="max_num_seqs=64"),
         pytest.param(dict(max_num_batched_tokens=7), id="chunk-every-prompt"),
         pytest.param(dict(enable_prefix_caching=False), id="no-prefix-caching"),
-        pytest.param(dict(attention_backend="torch"), id="reference-attention"),
+        pytest.param(dict(kernel_backend="torch"), id="reference-attention"),
     ],
 )
 def test_settings_do_not_change_outputs(tiny_llama, settings):
     prompts, expected = _reference(tiny_llama)
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 24, **settings)
     assert pagoda_greedy(llm, prompts) == expected
-    assert llm.llm_engine.get_stats()["num_blocks_used"] == 0
+    assert llm.llm_engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_preemption_does_not_change_outputs(tiny_llama):
@@ -83,17 +83,17 @@ def test_preemption_does_not_change_outputs(tiny_llama):
     assert llm.llm_engine.model_runner.num_blocks == 20
     assert pagoda_greedy(llm, prompts) == expected
     stats = llm.llm_engine.get_stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["num_blocks_used"] == 0
+    assert stats.num_preemptions > 0
+    assert stats.kv_cache.num_blocks_used == 0
 
 
 def test_cached_prefix_gives_same_output_as_cold(tiny_llama):
     llm = _llm(tiny_llama)
     prompts, expected = _reference(tiny_llama)
     # Second run: every prompt's full blocks are now cached.
-    hits_before = llm.llm_engine.get_stats()["prefix_cache_hits"]
+    hits_before = llm.llm_engine.get_stats().kv_cache.prefix_cache_hits
     assert pagoda_greedy(llm, prompts) == expected
-    assert llm.llm_engine.get_stats()["prefix_cache_hits"] > hits_before
+    assert llm.llm_engine.get_stats().kv_cache.prefix_cache_hits > hits_before
 
 
 def test_seeded_sampling_is_reproducible(tiny_llama):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda import cpu_kernels
+from pagoda.ops import cpu
 
 
 def kernels_or_skip():
-    module = cpu_kernels.load()
+    module = cpu.load()
     if module is None:
         pytest.skip("no C++ toolchain")
     return module

@@ -41,7 +41,7 @@ def test_step_loop_and_abort(tiny_llama):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
     outs = engine.step()
     assert {o.request_id for o in outs} <= {f"r{i}" for i in range(6)}
-    assert engine.get_stats()["num_blocks_used"] > 0
+    assert engine.get_stats().kv_cache.num_blocks_used > 0
     aborted = engine.abort_request(["r1", "r4"])
     assert {o.request_id for o in aborted} == {"r1", "r4"}
     assert all(o.outputs[0].finish_reason == "abort" and o.finished for o in aborted)
@@ -50,8 +50,8 @@ def test_step_loop_and_abort(tiny_llama):
     assert set(final) == {"r0", "r2", "r3", "r5"}
     assert all(len(o.outputs[0].token_ids) == 30 for o in final.values())
     stats = engine.get_stats()
-    assert stats["num_blocks_used"] == 0 and stats["num_requests_running"] == 0
-    assert stats["generation_tokens"] >= 4 * 30
+    assert stats.kv_cache.num_blocks_used == 0 and stats.num_requests_running == 0
+    assert stats.num_generation_tokens >= 4 * 30
 
 
 def test_abort_waiting_request_frees_nothing_twice(tiny_llama):
@@ -59,7 +59,7 @@ def test_abort_waiting_request_frees_nothing_twice(tiny_llama):
     engine.add_request("w", "Hello world", SamplingParams(max_tokens=4))
     engine.abort_request("w")
     assert not engine.has_unfinished_requests()
-    assert engine.get_stats()["num_blocks_used"] == 0
+    assert engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_request_output_fields(tiny_llama):
@@ -133,7 +133,7 @@ def test_bad_requests_leave_engine_usable(tiny_llama):
         engine.add_request("typed", 42, SamplingParams())
     final = _drain(engine)
     assert len(final["good"].outputs[0].token_ids) == 8
-    assert engine.get_stats()["num_blocks_used"] == 0
+    assert engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_bad_engine_args(tiny_llama, tmp_path):

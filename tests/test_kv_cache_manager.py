@@ -24,7 +24,7 @@ def snapshot(manager: KVCacheManager):
         list(pool.ref_cnts),
         list(pool.block_hashes),
         dict(pool.cached_blocks),
-        {k: list(v) for k, v in manager.req_to_blocks.items()},
+        manager.block_tables(),
     )
 
 
@@ -94,7 +94,7 @@ def test_allocate_slots_short_returns_none_and_allocates_nothing():
     before = snapshot(m)
     assert m.allocate_slots(b, 8) is None
     assert snapshot(m) == before
-    assert "b" not in m.req_to_blocks
+    assert "b" not in m.block_tables()
     assert m.get_block_ids("b") == []
     # A running request that cannot grow keeps the blocks it has.
     compute(m, a, 20)
@@ -188,9 +188,7 @@ def test_free_puts_tail_first_at_the_back():
     m.free(a)
     assert free_ids(m) == [3, 4, 5, 2, 1, 0]
     assert m.block_pool.ref_cnts == [0] * 6
-    assert "a" not in m.req_to_blocks
-    assert "a" not in m.req_to_hashes
-    assert "a" not in m.num_cached_blocks
+    assert "a" not in m.requests
     # Eviction order: never-used blocks, then a's tail block, then its head.
     b = make_request("b", list(range(100, 120)))
     assert m.allocate_slots(b, 20) == [3, 4, 5, 2, 1]
@@ -258,7 +256,7 @@ def test_hits_in_the_free_queue_count_against_free_blocks():
     before = snapshot(m)
     assert m.allocate_slots(b, 5, hits) is None
     assert snapshot(m) == before
-    assert "b" not in m.req_to_blocks
+    assert "b" not in m.block_tables()
     # With 1 new block needed it fits exactly.
     assert m.allocate_slots(b, 4, hits) == [2]
     assert m.get_block_ids("b") == [0, 1, 2]

@@ -28,7 +28,7 @@ def test_parallel_sampling_shares_the_prompt(tiny_llama):
     )
     # Prompt lengths that do and do not end on a block boundary (copy-on-write or not).
     for prompt, ref in list(zip(prompts, expected, strict=True))[:6]:
-        before = llm.llm_engine.get_stats()["prompt_tokens"]
+        before = llm.llm_engine.get_stats().num_prompt_tokens
         out = llm.generate(
             {"prompt_token_ids": prompt},
             SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS),
@@ -38,8 +38,8 @@ def test_parallel_sampling_shares_the_prompt(tiny_llama):
         assert [c.token_ids for c in out.outputs] == [ref] * 3
         assert [c.index for c in out.outputs] == [0, 1, 2]
         # The prompt is computed once (all but its last token), then each child computes that token.
-        assert llm.llm_engine.get_stats()["prompt_tokens"] - before == len(prompt) - 1 + 3
-    assert llm.llm_engine.get_stats()["num_blocks_used"] == 0
+        assert llm.llm_engine.get_stats().num_prompt_tokens - before == len(prompt) - 1 + 3
+    assert llm.llm_engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_parallel_sampling_seeded_is_reproducible_and_distinct(tiny_llama):
@@ -70,14 +70,14 @@ def _swap_run(folder: str, host_blocks: int) -> LLM:
 def test_swap_preemption_matches_recompute(tiny_llama):
     llm = _swap_run(tiny_llama, host_blocks=64)
     stats = llm.llm_engine.get_stats()
-    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] == 0
-    assert stats["num_blocks_used"] == 0 and stats["num_requests_swapped"] == 0
+    assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute == 0
+    assert stats.kv_cache.num_blocks_used == 0 and stats.kv_cache.num_requests_swapped == 0
     assert llm.llm_engine.kv_cache_manager.host_pool.num_free_blocks == 64
 
 
 def test_swap_falls_back_to_recompute_when_host_pool_is_full(tiny_llama):
     stats = _swap_run(tiny_llama, host_blocks=2).llm_engine.get_stats()
-    assert stats["num_preemptions_recompute"] > 0
+    assert stats.num_preemptions_recompute > 0
 
 
 def test_priority_request_preempts_lower_priority(tiny_llama):
@@ -99,7 +99,7 @@ def test_priority_request_preempts_lower_priority(tiny_llama):
         )
     for _ in range(3):
         engine.step()
-    assert engine.get_stats()["num_requests_running"] == 2
+    assert engine.get_stats().num_requests_running == 2
     engine.add_request(
         "high",
         {"prompt_token_ids": (low[0] * 4)[:100]},
@@ -109,12 +109,12 @@ def test_priority_request_preempts_lower_priority(tiny_llama):
     engine.step()
     running = {r.request_id for r in engine.scheduler.running}
     assert "high" in running
-    assert engine.get_stats()["num_preemptions"] >= 1
+    assert engine.get_stats().num_preemptions >= 1
     finished_order = []
     while engine.has_unfinished_requests():
         finished_order += [o.request_id for o in engine.step() if o.finished]
     assert finished_order[0] == "high" and set(finished_order) == {"high", "low0", "low1"}
-    assert engine.get_stats()["num_blocks_used"] == 0
+    assert engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_logprobs_match_hf(tiny_llama):
@@ -278,7 +278,7 @@ def test_stop_strings_cut_text_even_across_tokens(tiny_llama):
         use_tqdm=False,
     )[0].outputs[0]
     assert kept.text == text[: idx + len(stop)]
-    assert llm.llm_engine.get_stats()["num_blocks_used"] == 0
+    assert llm.llm_engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_stats_report_memory_accounting(tiny_llama):
@@ -291,13 +291,13 @@ def test_stats_report_memory_accounting(tiny_llama):
     engine.step()
     stats = engine.get_stats()
     # 20 prompt tokens + 1 sampled (computed next step) in 2 blocks of 16: 12 of 32 slots empty.
-    assert stats["num_blocks_used"] == 2
-    assert stats["kv_cache_fragmentation_perc"] == pytest.approx(100 * 12 / 32)
-    assert stats["kv_cache_usage_perc"] == pytest.approx(100 * 2 / stats["num_blocks_total"])
+    assert stats.kv_cache.num_blocks_used == 2
+    assert stats.kv_cache_fragmentation_perc == pytest.approx(100 * 12 / 32)
+    assert stats.kv_cache.usage_perc == pytest.approx(100 * 2 / stats.kv_cache.num_blocks_total)
     engine.abort_request("a")
     engine.add_request("b", {"prompt_token_ids": list(range(10, 30))}, SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.get_stats()
-    assert stats["prefix_cache_hits"] == 16 and stats["prefix_cache_queries"] == 40
-    assert stats["prefix_cache_hit_rate"] == pytest.approx(16 / 40)
+    assert stats.kv_cache.prefix_cache_hits == 16 and stats.kv_cache.prefix_cache_queries == 40
+    assert stats.kv_cache.prefix_cache_hit_rate == pytest.approx(16 / 40)

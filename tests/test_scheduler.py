@@ -171,13 +171,13 @@ def assert_all_free(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert kv.block_pool.num_free_blocks == kv.num_blocks
     assert kv.block_pool.ref_cnts == [0] * kv.num_blocks
-    assert kv.req_to_blocks == {}
+    assert kv.block_tables() == {}
     assert scheduler.requests == {}
     assert not scheduler.has_unfinished_requests()
 
 
 def num_preemptions(scheduler: Scheduler) -> int:
-    return scheduler.get_stats()["num_preemptions"]
+    return scheduler.get_stats().num_preemptions
 
 
 def outputs(first: int, n: int) -> list[int]:
@@ -290,7 +290,7 @@ def test_finished_request_leaves_and_a_waiting_one_is_admitted_next_step():
     assert running_ids(sched) == ["b"]
     assert waiting_ids(sched) == ["c"]
     assert "a" not in sched.requests
-    assert "a" not in sched.kv_cache_manager.req_to_blocks
+    assert "a" not in sched.kv_cache_manager.block_tables()
     out, _ = d.step()
     assert summary(out) == [("b", 2, 1, True), ("c", 0, 2, True)]
     assert running_ids(sched) == ["b", "c"]
@@ -404,14 +404,14 @@ def test_preemption_of_the_most_recently_admitted():
 
     out, _ = d.step()
     assert summary(out) == [("a", 0, 4, True), ("b", 0, 2, True), ("c", 0, 2, True)]
-    assert kv.req_to_blocks == {"a": [0], "b": [1], "c": [2]}
+    assert kv.block_tables() == {"a": [0], "b": [1], "c": [2]}
     assert waiting_ids(sched) == ["d"]  # no block left for d
 
     # a's 5th token needs a block: c, the most recently admitted, gives up its own.
     out, _ = d.step()
     assert summary(out) == [("a", 4, 1, True), ("b", 2, 1, True)]
     assert out.preempted_request_ids == ["c"]
-    assert kv.req_to_blocks == {"a": [0, 2], "b": [1]}
+    assert kv.block_tables() == {"a": [0, 2], "b": [1]}
     assert running_ids(sched) == ["a", "b"]
     assert waiting_ids(sched) == ["c", "d"]  # c at the front
     assert c.status == RequestStatus.PREEMPTED
@@ -459,7 +459,7 @@ def test_a_request_that_cannot_grow_and_is_last_preempts_itself():
     assert summary(out) == [("a", 2, 1, True)]
     assert out.preempted_request_ids == ["b"]
     assert b.status == RequestStatus.PREEMPTED
-    assert sched.kv_cache_manager.req_to_blocks == {"a": [0]}
+    assert sched.kv_cache_manager.block_tables() == {"a": [0]}
     d.run()
     assert d.tokens == {"a": outputs(0, 3), "b": outputs(0, 2)}
     assert num_preemptions(sched) == 1
@@ -473,7 +473,7 @@ def test_preempted_request_gets_prefix_hits_on_its_own_blocks():
     d.add(make_request("a", [1, 2, 3], max_tokens=3))
     b = d.add(make_request("b", [5, 6, 7, 8, 9], max_tokens=3))
     assert summary(d.step()[0]) == [("a", 0, 3, True), ("b", 0, 5, True)]
-    assert kv.req_to_blocks == {"a": [0], "b": [1, 2]}
+    assert kv.block_tables() == {"a": [0], "b": [1, 2]}
     assert summary(d.step()[0]) == [("a", 3, 1, True), ("b", 5, 1, True)]
     # a's 5th token needs a block: b goes; its tail block 2 is evicted first.
     out, _ = d.step()
@@ -532,13 +532,13 @@ def test_priority_victim_is_the_highest_priority_value():
     # Running requests are served most important first: c's chunk takes the budget before b.
     assert summary(d.step()[0]) == [("a", 2, 1, True), ("c", 8, 9, False)]
     assert summary(d.step()[0]) == [("a", 3, 1, True), ("c", 17, 6, True), ("b", 2, 1, True)]
-    assert kv.req_to_blocks == {"a": [0], "b": [1], "c": [2, 3, 4, 5, 6, 7]}
+    assert kv.block_tables() == {"a": [0], "b": [1], "c": [2, 3, 4, 5, 6, 7]}
     assert kv.block_pool.num_free_blocks == 0
     # a's 5th token needs a block: fcfs would take the newest, priority takes b.
     out, _ = d.step()
     assert out.preempted_request_ids == ["b"]
     assert summary(out) == [("a", 4, 1, True), ("c", 23, 1, True)]
-    assert kv.req_to_blocks == {"a": [0, 1]}  # c finished (2 tokens)
+    assert kv.block_tables() == {"a": [0, 1]}  # c finished (2 tokens)
     assert (a.status, b.status, c.status) == (
         RequestStatus.RUNNING,
         RequestStatus.PREEMPTED,
@@ -626,7 +626,7 @@ def test_finish_requests_of_running_and_waiting():
     d.step()
     assert running_ids(sched) == ["a"]
     assert waiting_ids(sched) == ["b"]
-    assert sched.kv_cache_manager.req_to_blocks == {"a": [0, 1]}
+    assert sched.kv_cache_manager.block_tables() == {"a": [0, 1]}
     finished = sched.finish_requests(["nope", "a", "b"], RequestStatus.FINISHED_ABORTED)
     assert finished == [a, b]
     assert a.status == b.status == RequestStatus.FINISHED_ABORTED
@@ -679,19 +679,16 @@ def test_stats():
     assert summary(out) == [("b", 8, 1, True)]  # 8 tokens from the prefix cache
     d.run()
     stats = sched.get_stats()
-    expected = {
-        "num_requests_running": 0,
-        "num_requests_waiting": 0,
-        "num_blocks_total": 8,
-        "num_blocks_used": 0,
-        "kv_cache_usage_perc": 0.0,
-        "num_preemptions": 0,
-        "prompt_tokens": 9 + 1,
-        "generation_tokens": 4,
-        "prefix_cache_queries": 18,
-        "prefix_cache_hits": 8,
-    }
-    assert {key: stats[key] for key in expected} == expected
+    assert (stats.num_requests_running, stats.num_requests_waiting) == (0, 0)
+    assert (stats.num_preemptions, stats.num_prompt_tokens, stats.num_generation_tokens) == (
+        0,
+        9 + 1,
+        4,
+    )
+    kv = stats.kv_cache
+    assert (kv.num_blocks_total, kv.num_blocks_used, kv.usage_perc) == (8, 0, 0.0)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (18, 8)
+    assert kv.prefix_cache_hit_rate == 8 / 18
 
 
 # ---- randomized ---------------------------------------------------------------------
@@ -733,9 +730,9 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(set(free)) == len(free)
     # Free exactly when unreferenced: none both free and referenced, none lost.
     assert set(free) == {b for b in range(n) if pool.ref_cnts[b] == 0}
-    for ids in kv.req_to_blocks.values():
+    for ids in kv.block_tables().values():
         assert len(set(ids)) == len(ids)
-    refs = Counter(b for ids in kv.req_to_blocks.values() for b in ids)
+    refs = Counter(b for ids in kv.block_tables().values() for b in ids)
     assert [refs[b] for b in range(n)] == pool.ref_cnts
     for b, count in refs.items():
         if count > 1:
@@ -753,11 +750,11 @@ def check_invariants(sched: Scheduler) -> None:
     assert not running.keys() & waiting.keys()
     assert set(sched.requests) == running.keys() | waiting.keys()
     assert len(running) <= sched.config.max_num_seqs
-    assert set(kv.req_to_blocks) == running.keys()
+    assert set(kv.block_tables()) == running.keys()
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
         assert 0 < r.num_computed_tokens < r.num_tokens
-        block_ids = kv.req_to_blocks[r.request_id]
+        block_ids = kv.get_block_ids(r.request_id)
         assert cdiv(r.num_computed_tokens, bs) <= len(block_ids) <= cdiv(r.num_tokens, bs)
         # A block with a hash holds computed tokens, and exactly this request's prefix.
         hashes = chain_hashes(r.all_token_ids, bs, r.num_computed_tokens // bs)
@@ -869,7 +866,7 @@ def test_random_workloads_keep_invariants(scenario):
     event(f"aborted: {bool(aborted)}")
     event(f"chunked: {any(len(s['prompt']) > config['max_num_batched_tokens'] for s in specs)}")
     assert_all_free(sched)
-    assert sched.waiting == type(sched.waiting)()
+    assert not sched.waiting
     assert sched.running == []
     for spec in specs:
         rid = spec["request_id"]

@@ -48,16 +48,17 @@ def check(sched: Scheduler) -> None:
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
-    refs = Counter(b for ids in kv.req_to_blocks.values() for b in ids)
+    refs = Counter(b for ids in kv.block_tables().values() for b in ids)
     assert [refs[b] for b in range(pool.num_blocks)] == pool.ref_cnts
     assert set(pool.free_queue) == {b for b in range(pool.num_blocks) if pool.ref_cnts[b] == 0}
     host = kv.host_pool
     if host is not None:
-        host_refs = Counter(b for ids in kv.req_to_host_blocks.values() for b in ids)
+        host_tables = [r.host_block_ids for r in kv.requests.values() if r.host_block_ids]
+        host_refs = Counter(b for ids in host_tables for b in ids)
         assert [host_refs[b] for b in range(host.num_blocks)] == host.ref_cnts
     # A swapped request holds no device blocks; a running one holds enough for its tokens.
-    for rid in kv.req_to_host_blocks:
-        assert not kv.req_to_blocks.get(rid)
+    for record in kv.requests.values():
+        assert record.host_block_ids is None or not record.block_ids
     for r in sched.running:
         assert len(kv.get_block_ids(r.request_id)) * BS >= r.num_computed_tokens
 

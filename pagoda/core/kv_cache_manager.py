@@ -17,7 +17,13 @@ shape; the (device, host) pairs are handed to the runner the same way.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 from pagoda.core.block_pool import BlockPool
+from pagoda.core.stats import KVCacheStats
 from pagoda.request import Request
 
 
@@ -26,10 +32,26 @@ def cdiv(a: int, b: int) -> int:
 
 
 def hash_block(
-    parent_hash: int | None, token_ids: tuple[int, ...], extra_key: object = None
-) -> int:
-    """A full block's key: chained from its parent's, so equal keys mean equal prefixes."""
-    return hash((parent_hash, token_ids, extra_key))
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: object = None
+) -> bytes:
+    """A full block's key: a 128-bit BLAKE2b digest of its parent's key and its token ids
+    (and `extra_key`, e.g. an adapter), so equal keys mean equal prefixes. Python's
+    `hash()` is 64 bits and, on tuples of small ints, collides by construction."""
+    h = hashlib.blake2b(parent_hash or b"", digest_size=16)  # the parent is 16 bytes or none
+    h.update(array("q", token_ids).tobytes())  # fixed length for a given block size
+    if extra_key is not None:
+        h.update(repr(extra_key).encode())
+    return h.digest()
+
+
+@dataclass
+class RequestBlocks:
+    """What the manager holds for one request."""
+
+    block_ids: list[int] = field(default_factory=list)  # its block table on the device
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, computed once
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    host_block_ids: list[int] | None = None  # while swapped out
 
 
 class KVCacheManager:
@@ -46,16 +68,12 @@ class KVCacheManager:
         self.host_pool = (
             BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
         )
-        self.req_to_host_blocks: dict[str, list[int]] = {}  # swapped-out requests
+        self.requests: dict[str, RequestBlocks] = {}
+        self.num_swapped = 0  # requests whose blocks are in the host pool
         # Block moves the runner must do before the next forward, drained by take_block_ops().
         self.blocks_to_copy: list[tuple[int, int]] = []
         self.blocks_to_swap_out: list[tuple[int, int]] = []  # (device, host)
         self.blocks_to_swap_in: list[tuple[int, int]] = []  # (host, device)
-        self.req_to_blocks: dict[str, list[int]] = {}
-        # Hashes of each request's full blocks, computed once per block.
-        self.req_to_hashes: dict[str, list[int]] = {}
-        # How many of each request's blocks are already registered in the cache.
-        self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -64,7 +82,17 @@ class KVCacheManager:
         return self.block_pool.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return self.req_to_blocks.get(request_id, [])
+        """A copy of the request's device block table (empty if it holds none)."""
+        record = self.requests.get(request_id)
+        return list(record.block_ids) if record is not None else []
+
+    def num_blocks_of(self, request_id: str) -> int:
+        record = self.requests.get(request_id)
+        return len(record.block_ids) if record is not None else 0
+
+    def block_tables(self) -> dict[str, list[int]]:
+        """Copies of every block table that holds device blocks (for checks and tests)."""
+        return {rid: list(r.block_ids) for rid, r in self.requests.items() if r.block_ids}
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest run of cached full blocks starting the request's tokens.
@@ -101,7 +129,8 @@ class KVCacheManager:
         another request, that block is copied first. Returns the newly allocated
         block ids, or None, in which case nothing was allocated or referenced.
         """
-        block_ids = self.req_to_blocks.setdefault(request.request_id, [])
+        record = self.requests.get(request.request_id) or RequestBlocks()
+        block_ids = record.block_ids
         ref_cnts = self.block_pool.ref_cnts
         num_computed = request.num_computed_tokens + len(new_computed_block_ids) * self.block_size
         num_new_blocks = (
@@ -120,9 +149,8 @@ class KVCacheManager:
         # Hits sitting in the free queue stop being free once referenced.
         num_evictable_hits = sum(1 for b in new_computed_block_ids if ref_cnts[b] == 0)
         if num_new_blocks + needs_copy > self.block_pool.num_free_blocks - num_evictable_hits:
-            if not block_ids:
-                del self.req_to_blocks[request.request_id]
             return None
+        self.requests[request.request_id] = record
         if needs_copy:
             src = block_ids[cow_index]
             (dst,) = self.block_pool.get_new_blocks(1)
@@ -143,54 +171,58 @@ class KVCacheManager:
         """Make the request's full blocks up to `num_computed_tokens` findable by hash."""
         if not self.enable_caching:
             return
+        record = self.requests[request.request_id]
         num_full = num_computed_tokens // self.block_size
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full <= start:
+        if num_full <= record.num_cached_blocks:
             return
         hashes = self._block_hashes(request, num_full)
-        block_ids = self.req_to_blocks[request.request_id]
-        for i in range(start, num_full):
-            self.block_pool.cache_full_block(block_ids[i], hashes[i])
-        self.num_cached_blocks[request.request_id] = num_full
+        for i in range(record.num_cached_blocks, num_full):
+            self.block_pool.cache_full_block(record.block_ids[i], hashes[i])
+        record.num_cached_blocks = num_full
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share every block of `parent` (parallel sampling)."""
-        block_ids = list(self.req_to_blocks[parent.request_id])
-        self.block_pool.touch(block_ids)
-        self.req_to_blocks[child.request_id] = block_ids
-        self.req_to_hashes[child.request_id] = list(self.req_to_hashes.get(parent.request_id, []))
-        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        source = self.requests[parent.request_id]
+        self.block_pool.touch(source.block_ids)
+        self.requests[child.request_id] = RequestBlocks(
+            list(source.block_ids), list(source.block_hashes), source.num_cached_blocks
+        )
 
     # ---- swap -------------------------------------------------------------------
 
     def swap_out(self, request: Request) -> bool:
         """Move the request's blocks to the host pool; False (nothing done) if it has no room."""
-        block_ids = self.req_to_blocks.get(request.request_id, [])
+        record = self.requests.get(request.request_id)
+        block_ids = record.block_ids if record is not None else []
         if self.host_pool is None or len(block_ids) > self.host_pool.num_free_blocks:
             return False
         host_ids = self.host_pool.get_new_blocks(len(block_ids))
         self.blocks_to_swap_out.extend(zip(block_ids, host_ids, strict=True))
         self.free(request)
-        self.req_to_host_blocks[request.request_id] = host_ids
+        self.requests[request.request_id] = RequestBlocks(host_block_ids=host_ids)
+        self.num_swapped += 1
         return True
 
     def is_swapped(self, request: Request) -> bool:
-        return request.request_id in self.req_to_host_blocks
+        record = self.requests.get(request.request_id)
+        return record is not None and record.host_block_ids is not None
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Bring a swapped request's blocks back and make room for `num_new_tokens`.
 
         Returns the new device block ids, or None (nothing done) if they do not fit.
         """
-        host_ids = self.req_to_host_blocks[request.request_id]
+        record = self.requests[request.request_id]
+        host_ids = record.host_block_ids
         num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         if num_needed > self.block_pool.num_free_blocks:
             return None
         device_ids = self.block_pool.get_new_blocks(len(host_ids))
         self.blocks_to_swap_in.extend(zip(host_ids, device_ids, strict=True))
         self.host_pool.free_blocks(host_ids)
-        del self.req_to_host_blocks[request.request_id]
-        self.req_to_blocks[request.request_id] = device_ids
+        record.host_block_ids = None
+        record.block_ids = list(device_ids)
+        self.num_swapped -= 1
         extra = self.allocate_slots(request, num_new_tokens)
         return device_ids + extra
 
@@ -203,23 +235,33 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (device and host); tail blocks are evicted first."""
-        block_ids = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(block_ids))
-        self.req_to_hashes.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
-        host_ids = self.req_to_host_blocks.pop(request.request_id, None)
-        if host_ids:
-            self.host_pool.free_blocks(host_ids)
+        record = self.requests.pop(request.request_id, None)
+        if record is None:
+            return
+        self.block_pool.free_blocks(reversed(record.block_ids))
+        if record.host_block_ids is not None:
+            self.host_pool.free_blocks(record.host_block_ids)
+            self.num_swapped -= 1
 
     @property
     def usage(self) -> float:
         return self.block_pool.num_used_blocks / self.block_pool.num_blocks
 
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        hashes = self.req_to_hashes.setdefault(request.request_id, [])
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_blocks_total=self.block_pool.num_blocks,
+            num_blocks_used=self.block_pool.num_used_blocks,
+            num_requests_swapped=self.num_swapped,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        record = self.requests.setdefault(request.request_id, RequestBlocks())
+        hashes = record.block_hashes
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes

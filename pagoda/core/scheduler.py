@@ -8,17 +8,18 @@ prefix-cache hit and a decode token are the same arithmetic.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.request_queue import RequestQueue, create_request_queue
 from pagoda.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagoda.core.stats import SchedulerStats
 from pagoda.request import Request, RequestStatus
 
 
@@ -27,8 +28,9 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
+        self.waiting: RequestQueue = create_request_queue(config.scheduling_policy)
+        # The waiting queue's policy orders it; the request to preempt first is last.
+        self.running: list[Request] = []
         # Parallel sampling: siblings wait here until their leader has computed
         # all but the last prompt token, then share its blocks (fork).
         self.fork_waiters: dict[str, list[Request]] = {}
@@ -42,7 +44,7 @@ class Scheduler:
         """Queue a request. `fork_siblings` (same prompt and params) will share its
         prompt's blocks instead of computing the prompt again."""
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         siblings = list(fork_siblings)
         for sibling in siblings:
             self.requests[sibling.request_id] = sibling
@@ -78,20 +80,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        if self.config.scheduling_policy == "priority":
-            # Most important first, so that victims (taken from the tail) are the least.
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-            preempted += self._preempt_for_waiting(budget)
+        self.waiting.order_running(self.running)
+        preempted += self._preempt_for_waiting(budget)
         num_preempted_for_waiting = len(preempted)
 
-        # Running requests first, in admission order; victims come from the tail,
+        # Running requests first, most important first; victims come from the tail,
         # so a request already scheduled this step is never preempted.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             while kv.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim(self.running[i:])
+                victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -109,7 +109,7 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self._peek_waiting()
+            request = self.waiting.peek()
             if request.request_id in preempted:
                 break  # never readmit in the step that preempted it
             if kv.is_swapped(request):
@@ -228,35 +228,25 @@ class Scheduler:
             self.running.append(sibling)
         return siblings
 
-    def _peek_waiting(self) -> Request:
-        if self.config.scheduling_policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]
-
-    def _pick_victim(self, candidates: list[Request]) -> Request:
-        if self.config.scheduling_policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]  # the most recently admitted
-
     def _preempt_for_waiting(self, budget: int) -> list[str]:
-        """Priority policy: preempt running requests of lower priority (higher value)
-        than the best waiting one until its first chunk fits beside what the
-        remaining running requests need this step."""
+        """Preempt running requests that the best waiting one outranks (priority
+        policy) until its first chunk fits beside what the remaining running
+        requests need this step."""
         if not self.waiting or not self.running or len(self.running) > self.config.max_num_seqs:
             return []
-        best = self._peek_waiting()
+        best = self.waiting.peek()
         kv = self.kv_cache_manager
         bs = kv.block_size
 
         def blocks_needed(r: Request) -> int:
             end = min(r.num_tokens, r.num_computed_tokens + budget)
-            return max(0, cdiv(end, bs) - len(kv.get_block_ids(r.request_id)))
+            return max(0, cdiv(end, bs) - kv.num_blocks_of(r.request_id))
 
         needed = cdiv(min(best.num_tokens, budget), bs)
         preempted = []
         while self.running:
-            victim = self.running[-1]  # sorted: the least important
-            if victim.priority <= best.priority:
+            victim = self.running[-1]  # the least important
+            if not self.waiting.may_preempt(best, victim):
                 break
             running_need = sum(blocks_needed(r) for r in self.running)
             fits = kv.block_pool.num_free_blocks >= needed + running_need
@@ -282,7 +272,7 @@ class Scheduler:
             self.num_preemptions["recompute"] += 1
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -332,36 +322,27 @@ class Scheduler:
         del self.requests[request.request_id]
         # A leader that leaves before its fork point hands its siblings to the queue.
         for sibling in self.fork_waiters.pop(request.request_id, []):
-            self.waiting.append(sibling)
+            self.waiting.add(sibling)
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        used = kv.block_pool.num_used_blocks
-        allocated_slots = used * kv.block_size
+        kv_stats = kv.stats()
+        allocated_slots = kv_stats.num_blocks_used * kv.block_size
         empty_slots = sum(
-            len(kv.get_block_ids(r.request_id)) * kv.block_size - r.num_computed_tokens
+            kv.num_blocks_of(r.request_id) * kv.block_size - r.num_computed_tokens
             for r in self.running
         )
-        return {
-            "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.requests)
+        return SchedulerStats(
+            num_requests_running=len(self.running),
+            num_requests_waiting=len(self.requests)
             - len(self.running)
-            - len(kv.req_to_host_blocks),
-            "num_requests_swapped": len(kv.req_to_host_blocks),
-            "num_blocks_total": kv.num_blocks,
-            "num_blocks_used": used,
-            "kv_cache_usage_perc": 100.0 * kv.usage,
-            "kv_cache_fragmentation_perc": 100.0 * empty_slots / allocated_slots
+            - kv_stats.num_requests_swapped,
+            num_preemptions_recompute=self.num_preemptions["recompute"],
+            num_preemptions_swap=self.num_preemptions["swap"],
+            num_prompt_tokens=self.num_prompt_tokens_computed,
+            num_generation_tokens=self.num_generation_tokens,
+            kv_cache_fragmentation_perc=100.0 * empty_slots / allocated_slots
             if allocated_slots
             else 0.0,
-            "num_preemptions": sum(self.num_preemptions.values()),
-            "num_preemptions_recompute": self.num_preemptions["recompute"],
-            "num_preemptions_swap": self.num_preemptions["swap"],
-            "prompt_tokens": self.num_prompt_tokens_computed,
-            "generation_tokens": self.num_generation_tokens,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "prefix_cache_hit_rate": kv.prefix_cache_hits / kv.prefix_cache_queries
-            if kv.prefix_cache_queries
-            else 0.0,
-        }
+            kv_cache=kv_stats,
+        )

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs
+from pagoda.core.stats import SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.metrics import EngineMetrics
@@ -144,7 +145,7 @@ class AsyncEngine:
         if self._error is not None:  # building the engine failed: the caller's error
             raise self._error
         self.model_name = model_name or self.engine.model_config.model
-        self._stats: dict[str, float] = self._read_stats()
+        self._stats: SchedulerStats = self._read_stats()
         self.metrics = EngineMetrics(self.model_name, self.engine.max_model_len, self.get_stats)
 
     @classmethod
@@ -174,16 +175,16 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> SchedulerStats:
         """The engine's stats as of its last step (see `LLMEngine.get_stats`)."""
-        return dict(self._stats)
+        return self._stats
 
     def num_queued(self) -> int:
         """Sequences waiting to run: the engine's waiting count as of its last step,
         plus requests added since (a request with n > 1 waits as n sequences
         once the engine has it)."""
         with self._cond:
-            return int(self._stats["num_requests_waiting"]) + self._num_unseen_adds
+            return self._stats.num_requests_waiting + self._num_unseen_adds
 
     # ---- requests -------------------------------------------------------------
 
@@ -284,7 +285,7 @@ class AsyncEngine:
         while True:
             with self._cond:
                 idle = self._num_unfinished == 0 and not self._ops
-            if idle and self._stats["num_requests_running"] == 0:
+            if idle and self._stats.num_requests_running == 0:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine did not become idle in time.")
@@ -412,10 +413,8 @@ class AsyncEngine:
         self._streams.clear()
         _post(sends)
 
-    def _read_stats(self) -> dict[str, float]:
-        stats = dict(self.engine.get_stats())
-        stats.setdefault("num_requests_swapped", 0)
-        return stats
+    def _read_stats(self) -> SchedulerStats:
+        return self.engine.get_stats()
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

@@ -7,6 +7,7 @@ import logging
 from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.core.stats import SchedulerStats
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor, PromptType
 from pagoda.model_executor.model_loader import load_tokenizer
@@ -114,7 +115,8 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> SchedulerStats:
+        """Running/waiting counts, preemptions, token counters and the KV cache's state."""
         return self.scheduler.get_stats()
 
     def get_tokenizer(self):

@@ -18,10 +18,8 @@ from pagoda.config import CacheConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.model_executor import model_loader
 from pagoda.model_executor.layers.attention import Attention
-from pagoda.model_executor.layers.layernorm import RMSNorm
-from pagoda.model_executor.layers.linear import Linear
-from pagoda.model_executor.layers.rotary import RotaryEmbedding
 from pagoda.model_executor.models import MODEL_REGISTRY
+from pagoda.ops import select_ops
 from pagoda.sample.sampler import SamplingTensors, compute_logprobs, sample
 
 logger = logging.getLogger(__name__)
@@ -37,9 +35,9 @@ class ModelRunner:
         self.device = torch.device("cpu")
         cfg = model_config.hf_config
         self.vocab_size = cfg["vocab_size"]
+        self.ops = select_ops(model_config.kernel_backend, self.dtype)
         self.model = self._load_model(model_config)
         self.num_blocks = self._allocate_kv_cache(cfg, cache_config.kv_cache_memory_bytes)
-        self._bind_cpu_kernels()
         # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
         self.num_host_blocks = cache_config.swap_space_bytes // self.bytes_per_block
         self.host_kv_cache = torch.zeros(
@@ -49,7 +47,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(model_config.seed)
 
     def _load_model(self, mc: ModelConfig) -> torch.nn.Module:
-        model = MODEL_REGISTRY[mc.architecture](mc.hf_config)  # float32 on the CPU
+        model = MODEL_REGISTRY[mc.architecture](mc.hf_config, self.ops)  # float32 on the CPU
         model.load_weights(model_loader.iter_weights(mc.path, mc.is_gguf, mc.hf_config))
         return model.to(self.dtype).eval()
 
@@ -87,30 +85,6 @@ class ModelRunner:
             bytes_per_block // self.block_size,
         )
         return num_blocks
-
-    def _bind_cpu_kernels(self) -> None:
-        """Hand the C++ kernels (decode attention, fused norm and rotary, small-M bf16
-        GEMM) to the layers;
-        without them (attention_backend "torch", or no compiler) PyTorch runs everything."""
-        backend = self.model_config.attention_backend
-        if backend == "torch" or self.dtype not in (torch.float32, torch.bfloat16):
-            return
-        from pagoda import cpu_kernels
-
-        kernels = cpu_kernels.load()
-        if kernels is None:
-            if backend == "cpu":
-                raise ValueError(
-                    "attention_backend 'cpu': the C++ kernel could not be built (see the log)."
-                )
-            return
-        for m in self.model.modules():
-            if isinstance(m, Attention):
-                m.decode_kernel = kernels.paged_decode_attention
-            elif isinstance(m, (RMSNorm, RotaryEmbedding)):
-                m.kernels = kernels
-            elif isinstance(m, Linear) and self.dtype == torch.bfloat16:
-                m.small_gemm = kernels.small_gemm if kernels.small_gemm_available() else None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.ops import TORCH_OPS, Ops
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -31,12 +33,16 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    kernels = None  # pagoda's C++ ops when the model runner binds them: in place, one pass
-
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+        ops: Ops = TORCH_OPS,
     ) -> None:
         super().__init__()
+        self.ops = ops
         inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # [max_position, head_dim // 2] each; float32, cast per call to the activations' dtype.
@@ -44,18 +50,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        """qk: [T, H + KVH, D], queries and keys side by side -> rotated, same shape.
-
-        One pass over both halves: half the small ops of rotating q and k apart.
+        """qk: [T, H + KVH, D], queries and keys side by side -> rotated, same shape
+        (possibly in place). One pass over both: half the small ops of rotating q and k apart.
         """
-        if self.kernels is not None:
-            self.kernels.rotary_embedding(qk, positions, self.cos, self.sin)
-            return qk
-        cos = self.cos[positions].unsqueeze(1).to(qk.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(qk.dtype)
-        return _rotate(qk, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return self.ops.rotary_embedding(qk, positions, self.cos, self.sin)

@@ -18,10 +18,11 @@ from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.linear import Linear
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
+from pagoda.ops import TORCH_OPS, Ops
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
@@ -32,15 +33,16 @@ class LlamaAttention(nn.Module):
         bias = (
             bool(cfg.get("attention_bias", False)) or cfg["architectures"][0] == "Qwen2ForCausalLM"
         )
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias, ops)
+        self.o_proj = Linear(self.q_size, hidden, False, ops)
         self.rotary_emb = RotaryEmbedding(
             self.head_dim,
             cfg.get("max_position_embeddings", 2048),
             cfg.get("rope_theta", 10000.0),
             cfg.get("rope_scaling"),
+            ops,
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -55,14 +57,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu).")
         bias = bool(cfg.get("mlp_bias", False))
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias, ops)
+        self.down_proj = Linear(inter, hidden, bias, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -70,13 +72,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = LlamaAttention(cfg, ops)
+        self.mlp = LlamaMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, ops)
 
     def forward(self, positions, x, residual):
         if residual is None:
@@ -90,11 +92,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, ops) for _ in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
@@ -114,12 +118,13 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops = TORCH_OPS) -> None:
+        """`ops`: the kernel layer's implementations, chosen once at load (pagoda.ops)."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, ops)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], False, ops)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,73 @@
+"""The kernel layer: each primitive is one function, chosen once at load.
+
+    primitive         PyTorch twin (torch_ops)      CPU kernel (cpu, C++)
+    linear            F.linear                      small_gemm up to 8 bf16 rows (AVX512-BF16)
+    rms_norm          float32 math                  one pass
+    add_rms_norm      x + residual, then norm       one pass, in place
+    rotary_embedding  rotate-half                   one pass, in place
+    decode_attention  gather + SDPA                 reads K/V in place via the block table
+
+`select_ops(kernel_backend, dtype)` builds the `Ops` a model is constructed
+with; layers call `self.ops.<primitive>` and never ask which CPU they run on.
+Every kernel is tested against its twin (tests/test_cpu_kernels.py,
+tests/test_attention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.ops import torch_ops
+
+logger = logging.getLogger(__name__)
+
+KERNEL_BACKENDS = ("auto", "torch", "cpu")
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One implementation of each primitive. Ops that work in place say so; callers
+    use the return value either way."""
+
+    backend: str  # "torch" | "cpu"
+    linear: Callable[..., torch.Tensor]  # (x, weight, bias) -> x @ weight.T + bias
+    rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps)
+    rotary_embedding: Callable[..., torch.Tensor]  # (qk, positions, cos, sin)
+    decode_attention: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, tables, lens, scale)
+
+
+TORCH_OPS = Ops(
+    backend="torch",
+    linear=torch_ops.linear,
+    rms_norm=torch_ops.rms_norm,
+    add_rms_norm=torch_ops.add_rms_norm,
+    rotary_embedding=torch_ops.rotary_embedding,
+    decode_attention=torch_ops.decode_attention,
+)
+
+
+def select_ops(kernel_backend: str, dtype: torch.dtype) -> Ops:
+    """The ops for a model in `dtype`: "torch" is PyTorch alone; "cpu" requires the C++
+    kernels; "auto" takes them when they build and support the dtype."""
+    if kernel_backend not in KERNEL_BACKENDS:
+        raise ValueError(
+            f"kernel_backend must be one of {KERNEL_BACKENDS}, got {kernel_backend!r}."
+        )
+    if kernel_backend == "torch":
+        return TORCH_OPS
+    from pagoda.ops import cpu
+
+    ops = cpu.cpu_ops(dtype)
+    if ops is None:
+        if kernel_backend == "cpu":
+            raise ValueError(
+                f"kernel_backend 'cpu': the C++ kernels are unavailable for {dtype} "
+                "(they cover float32 and bfloat16; see the log for a build error)."
+            )
+        return TORCH_OPS
+    return ops

@@ -1,0 +1,94 @@
+"""The CPU backend of the kernel layer: C++ kernels compiled on first use with
+torch's extension builder (cached per CPU).
+
+Decode attention, the small-M bf16 GEMM, fused RMSNorm and rotary (sources in
+`pagoda/csrc/`). If the compiler or ninja is missing, `load()` returns None and
+the model runs on PyTorch alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", name)
+    for name in ("module.cpp", "paged_decode.cpp", "small_gemm.cpp", "fused_ops.cpp")
+]
+
+
+def _cpu_tag() -> str:
+    # -march=native code must never be reused on another CPU: key the build by its flags.
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+@functools.cache
+def load():
+    """The compiled module (decode attention, small-M GEMM, fused norm and rotary),
+    or None if it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        logger.info("Building pagoda's CPU kernels (first use only; cached afterwards)...")
+        return load_extension(
+            name=f"pagoda_cpu_kernels_{_cpu_tag()}",
+            sources=_SOURCES,
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++20"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, unsupported platform: fall back
+        logger.warning("CPU kernels unavailable (%s); using PyTorch alone.", e)
+        return None
+
+
+# Up to this many rows, bf16 products go to small_gemm (benchmarks/kernels.py, distinct
+# weights per layer): 1.3-2.1x oneDNN at one row, 1.2-1.5x at 4-8, about even at 16,
+# 0.86x at 64. Decode at small batch is a stream of every weight once per step, which
+# small_gemm reads with no packing step.
+SMALL_GEMM_MAX_ROWS = 8
+
+
+def cpu_ops(dtype: torch.dtype):
+    """The `Ops` with the C++ kernels for a model in `dtype`, or None if they cannot serve it."""
+    from pagoda.ops import Ops, torch_ops
+
+    module = load()
+    if module is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    linear = torch_ops.linear
+    if dtype == torch.bfloat16 and module.small_gemm_available():
+        small_gemm = module.small_gemm
+
+        def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+            if x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+                return small_gemm(x, weight, bias)
+            return torch_ops.linear(x, weight, bias)
+
+    def add_rms_norm(x, residual, weight, eps):
+        module.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
+        return x, residual
+
+    def rotary_embedding(qk, positions, cos, sin):
+        module.rotary_embedding(qk, positions, cos, sin)
+        return qk
+
+    return Ops(
+        backend="cpu",
+        linear=linear,
+        rms_norm=module.rms_norm,
+        add_rms_norm=add_rms_norm,
+        rotary_embedding=rotary_embedding,
+        decode_attention=module.paged_decode_attention,
+    )
