@@ -55,6 +55,21 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, beyond the model's own limits (vocabulary,
+    max_model_len). The Processor enforces them for every entry point."""
+
+    max_n: int = 64  # completions per request
+    max_logprobs: int = 20  # top-N logprobs per token (sampled and prompt)
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256  # per stop string, and per bad word
+    max_bad_words: int = 64
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_tokens: int | None = None  # cap on a request's max_tokens (None: max_model_len)
+    max_prompts: int = 256  # prompts in one /v1/completions request
+
+
 @dataclass
 class EngineArgs:
     """Everything a user can set on an engine; mirrors vLLM's `EngineArgs`."""
@@ -73,6 +88,15 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     kernel_backend: str = "auto"
+    # Request limits (see RequestLimits).
+    max_n: int = RequestLimits.max_n
+    max_logprobs: int = RequestLimits.max_logprobs
+    max_stop_strings: int = RequestLimits.max_stop_strings
+    max_stop_string_chars: int = RequestLimits.max_stop_string_chars
+    max_bad_words: int = RequestLimits.max_bad_words
+    max_logit_bias: int = RequestLimits.max_logit_bias
+    max_tokens_limit: int | None = None
+    max_prompts: int = RequestLimits.max_prompts
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -84,9 +108,26 @@ class EngineArgs:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_n",
+            "max_stop_string_chars",
+            "max_prompts",
+        ):
             positive(name)
-        for name in ("kv_cache_memory_bytes", "max_model_len", "num_threads", "swap_space"):
+        for name in ("max_logprobs", "max_stop_strings", "max_bad_words", "max_logit_bias"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        for name in (
+            "kv_cache_memory_bytes",
+            "max_model_len",
+            "num_threads",
+            "swap_space",
+            "max_tokens_limit",
+        ):
             if getattr(self, name) is not None:
                 positive(name)
         if self.dtype not in DTYPES:
@@ -146,6 +187,18 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes or default_kv_cache_bytes(),
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=self.swap_space if self.preemption_mode == "swap" else 0,
+        )
+
+    def create_request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_n=self.max_n,
+            max_logprobs=self.max_logprobs,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_string_chars=self.max_stop_string_chars,
+            max_bad_words=self.max_bad_words,
+            max_logit_bias=self.max_logit_bias,
+            max_tokens=self.max_tokens_limit,
+            max_prompts=self.max_prompts,
         )
 
     def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:

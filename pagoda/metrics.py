@@ -3,7 +3,8 @@
 Every `EngineMetrics` owns its own `CollectorRegistry` (no global state), so
 two engines or two servers can live in one process. Two kinds of values:
 
-- measured per request by the async engine (`observe_*`): latencies, token
+- request timelines, from the `IterationStats` the engine hands to `record()`
+  after each step (it is one of the engine's stat loggers): latencies, token
   counts, finished requests; prometheus_client's own Counter/Histogram, which
   are thread-safe (the engine thread records them, the HTTP thread scrapes);
 - owned by the engine (`num_requests_running`, KV usage, preemptions, prefix
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.core.stats import SchedulerStats
+from pagoda.core.stats import IterationStats, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -134,7 +135,7 @@ class EngineMetrics:
             labelnames=["model_name", "finished_reason"],
             registry=self.registry,
         )
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)  # present (at 0) from the start
         self.ttft = histogram(
             "pagoda:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
@@ -148,6 +149,11 @@ class EngineMetrics:
         self.queue_time = histogram(
             "pagoda:request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
         )
+        self.tpot = histogram(
+            "pagoda:request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per finished request.",
+            ITL_BUCKETS,
+        )
         buckets = token_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "pagoda:request_prompt_tokens", "Prompt length of finished requests.", buckets
@@ -158,13 +164,25 @@ class EngineMetrics:
         if stats_fn is not None:
             self.registry.register(_EngineStatsCollector(model_name, stats_fn))
 
-    def observe_finished(
-        self, finished_reason: str, num_prompt_tokens: int, num_generation_tokens: int, e2e: float
-    ) -> None:
-        self._success.labels(self.model_name, finished_reason or "abort").inc()
-        self.request_prompt_tokens.observe(num_prompt_tokens)
-        self.request_generation_tokens.observe(num_generation_tokens)
-        self.e2e.observe(e2e)
+    def record(self, stats: IterationStats) -> None:
+        """One step's (or abort's) request timelines, from the engine thread."""
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for value in stats.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in stats.inter_token_latencies:
+            self.itl.observe(value)
+        for value in stats.queue_times:
+            self.queue_time.observe(value)
+        for r in stats.finished_requests:
+            self._success.labels(self.model_name, r.finish_reason).inc()
+            self.request_prompt_tokens.observe(r.num_prompt_tokens)
+            self.request_generation_tokens.observe(r.num_generation_tokens)
+            self.e2e.observe(r.e2e_latency)
+            if r.time_per_output_token is not None:
+                self.tpot.observe(r.time_per_output_token)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric in this registry."""

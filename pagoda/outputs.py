@@ -1,8 +1,13 @@
-"""What the engine hands back to users: vLLM's `RequestOutput` shape."""
+"""What the engine hands back to users: vLLM's `RequestOutput` shape.
+
+A request's outputs are deltas or cumulative, as its `SamplingParams.output_kind`
+asks (see `RequestOutputKind`): the server streams deltas, `LLM.generate` takes
+one final output, `LLMEngine.step()` users get cumulative ones by default.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -20,12 +25,12 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request. `token_ids` and `text` are cumulative."""
+    """One completion of a request: everything so far, or what one step added (delta)."""
 
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[PositionLogprobs] | None = None  # one per token, when asked for
     cumulative_logprob: float | None = None
@@ -35,8 +40,23 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """A request's timeline (time.monotonic() seconds); kept by the output processor."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
-    """The state of one request after a step; `finished` once every completion is."""
+    """The state of one request after a step; `finished` once every completion is.
+
+    `error` says why a request failed alone (its completions then end with
+    finish_reason "error"); `error_is_client` is True when its own input was the cause.
+    """
 
     request_id: str
     prompt: str | None
@@ -44,4 +64,27 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first token
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    error_is_client: bool = False
+
+    def add(self, delta: RequestOutput) -> None:
+        """Append a later delta output of the same request to this one (a stream
+        reader that fell behind reads several steps as one)."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+            old.cumulative_logprob = new.cumulative_logprob
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
+        self.finished, self.metrics = delta.finished, delta.metrics
+        self.error = self.error or delta.error
+        self.error_is_client = self.error_is_client or delta.error_is_client

@@ -16,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # failed alone while running (its own inputs or sampling)
 
     @property
     def finished(self) -> bool:
@@ -30,6 +31,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -59,7 +61,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.first_scheduled_time: float | None = None
+        self.first_scheduled_time: float | None = None  # stamped by the scheduler
 
     @property
     def output_token_ids(self) -> list[int]:

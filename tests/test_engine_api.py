@@ -95,25 +95,6 @@ def test_chat_uses_template(tiny_llama):
     assert len(two) == 2
 
 
-BAD_PARAMS = [
-    ("max_tokens", dict(max_tokens=0)),
-    ("temperature", dict(temperature=-0.5)),
-    ("top_p", dict(top_p=0.0)),
-    ("top_p", dict(top_p=1.5)),
-    ("top_k", dict(top_k=0)),
-    ("top_k", dict(top_k=-2)),
-    ("min_p", dict(min_p=2.0)),
-    ("min_tokens", dict(min_tokens=5, max_tokens=2)),
-    ("stop", dict(stop=[""])),
-]
-
-
-@pytest.mark.parametrize("field,kwargs", BAD_PARAMS)
-def test_bad_sampling_params_name_the_field(field, kwargs):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**kwargs)
-
-
 def test_bad_requests_leave_engine_usable(tiny_llama):
     engine = _engine(tiny_llama)
     engine.add_request(

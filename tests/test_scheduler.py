@@ -194,7 +194,10 @@ def test_mixed_prefill_and_decode_under_the_token_budget():
     out, outs = d.step()
     assert summary(out) == [("a", 0, 6, True)]
     assert out.num_batched_tokens == 6
-    assert outs == [EngineCoreOutput("a", [1000], None, None)]
+    assert outs[0].scheduled_time is not None  # its first scheduling, reported once
+    assert outs == [
+        EngineCoreOutput("a", [1000], None, None, scheduled_time=outs[0].scheduled_time)
+    ]
 
     b = d.add(make_request("b", list(range(100, 112)), max_tokens=2))
     out, outs = d.step()
@@ -202,7 +205,9 @@ def test_mixed_prefill_and_decode_under_the_token_budget():
     assert summary(out) == [("a", 6, 1, True), ("b", 0, 9, False)]
     assert out.scheduled[1].token_ids == list(range(100, 109))
     assert out.num_batched_tokens == 10
-    assert outs == [EngineCoreOutput("a", [1001], None, None)]
+    assert outs[0] == EngineCoreOutput("a", [1001], None, None)
+    assert (outs[1].request_id, outs[1].new_token_ids) == ("b", [])  # b's first scheduling
+    assert outs[1].scheduled_time is not None and len(outs) == 2
     assert (a.num_computed_tokens, b.num_computed_tokens) == (7, 9)
 
     out, outs = d.step()
@@ -244,7 +249,10 @@ def test_long_prompt_is_chunked_across_steps():
         out, outs = d.step()
         progress.append((summary(out), [s.token_ids for s in out.scheduled], a.num_computed_tokens))
         if len(progress) < 3:
-            assert outs == []
+            # The first chunk reports when the request was first scheduled; no tokens yet.
+            assert [(o.new_token_ids, o.scheduled_time is not None) for o in outs] == (
+                [([], True)] if len(progress) == 1 else []
+            )
             assert a.output_token_ids == []
     assert progress == [
         ([("a", 0, 4, False)], [prompt[0:4]], 4),
@@ -286,7 +294,9 @@ def test_finished_request_leaves_and_a_waiting_one_is_admitted_next_step():
     d.add(make_request("c", [5, 6], max_tokens=2))
     out, outs = d.step()
     assert summary(out) == [("a", 0, 2, True), ("b", 0, 2, True)]
-    assert outs[0] == EngineCoreOutput("a", [1000], "length", None)
+    assert dataclasses.replace(outs[0], scheduled_time=None) == EngineCoreOutput(
+        "a", [1000], "length", None
+    )
     assert running_ids(sched) == ["b"]
     assert waiting_ids(sched) == ["c"]
     assert "a" not in sched.requests

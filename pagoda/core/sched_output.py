@@ -54,6 +54,21 @@ class ModelRunnerOutput:
     # Request id -> per position of the chunk: {token id: (logprob, rank)}
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] | None = None
 
+    @classmethod
+    def merge(cls, parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """One output for the requests of several partial runs of a step."""
+        out = cls([], [])
+        for part in parts:
+            if part.logprobs is not None and out.logprobs is None:
+                out.logprobs = [None] * len(out.request_ids)
+            out.request_ids += part.request_ids
+            out.sampled_token_ids += part.sampled_token_ids
+            if out.logprobs is not None:
+                out.logprobs += part.logprobs or [None] * len(part.request_ids)
+            if part.prompt_logprobs:
+                out.prompt_logprobs = {**(out.prompt_logprobs or {}), **part.prompt_logprobs}
+        return out
+
 
 @dataclass
 class EngineCoreOutput:
@@ -64,6 +79,6 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: tuple[int, dict[int, tuple[float, int]]] | None = None
-    prompt_logprobs: tuple[int, list[dict[int, tuple[float, int]]]] | None = (
-        None  # (start position, ...)
-    )
+    # (start position, per position {token id: (logprob, rank)})
+    prompt_logprobs: tuple[int, list[dict[int, tuple[float, int]]]] | None = None
+    scheduled_time: float | None = None  # set on the step that first scheduled the request

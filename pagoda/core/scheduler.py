@@ -34,6 +34,8 @@ class Scheduler:
         # Parallel sampling: siblings wait here until their leader has computed
         # all but the last prompt token, then share its blocks (fork).
         self.fork_waiters: dict[str, list[Request]] = {}
+        # Requests first scheduled in this step -> when; reported once by update_from_output.
+        self.newly_scheduled: dict[str, float] = {}
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
@@ -130,6 +132,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                self.newly_scheduled[request.request_id] = request.first_scheduled_time
             self.running.append(request)
             if num_new == 0:  # a leader whose fork point is already computed (or cached)
                 for r in [request, *self._fork(request)]:
@@ -171,16 +174,19 @@ class Scheduler:
             if request.request_id in self.fork_waiters and self._at_fork_point(request):
                 self._fork(request)
             token_id = sampled.get(item.request_id)
+            scheduled_time = self.newly_scheduled.pop(item.request_id, None)
             if token_id is None:
-                if item.request_id in prompt_logprobs:
+                if item.request_id in prompt_logprobs or scheduled_time is not None:
                     outputs.append(
                         EngineCoreOutput(
                             request.request_id,
                             [],
                             prompt_logprobs=(
-                                item.num_computed_tokens,
-                                prompt_logprobs[item.request_id],
+                                (item.num_computed_tokens, prompt_logprobs[item.request_id])
+                                if item.request_id in prompt_logprobs
+                                else None
                             ),
+                            scheduled_time=scheduled_time,
                         )
                     )
                 continue
@@ -202,8 +208,10 @@ class Scheduler:
                         if item.request_id in prompt_logprobs
                         else None
                     ),
+                    scheduled_time=scheduled_time,
                 )
             )
+        self.newly_scheduled.clear()  # a request that failed this step reports nothing
         return outputs
 
     # ---- policies -------------------------------------------------------------

@@ -1,14 +1,16 @@
-"""Typed snapshots of engine state, each built by the part that owns the numbers.
+"""Typed stats, each built by the part that owns the numbers.
 
 `KVCacheStats` comes from the `KVCacheManager`, `SchedulerStats` from the
 `Scheduler` (with the KV snapshot inside); `LLMEngine.get_stats()` returns
 the latter. Counters (`num_*_tokens`, preemptions, prefix-cache queries and
 hits) are cumulative since the engine started; the rest are current values.
+`IterationStats` come from the output processor, per step, and feed the
+metrics' latency histograms and token counters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,26 @@ class SchedulerStats:
     @property
     def num_preemptions(self) -> int:
         return self.num_preemptions_recompute + self.num_preemptions_swap
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_generation_tokens: int  # over all completions
+    e2e_latency: float  # seconds from arrival to finish
+    # Mean seconds per output token after the first, when there were at least two.
+    time_per_output_token: float | None
+
+
+@dataclass
+class IterationStats:
+    """What one engine step (or an abort) did to requests' timelines, for the metrics.
+    Built by the output processor, which owns each request's timeline."""
+
+    num_prompt_tokens: int = 0  # of requests that got their first token
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    queue_times: list[float] = field(default_factory=list)  # arrival -> first scheduled
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)

@@ -1,21 +1,24 @@
 """`AsyncEngine`: the synchronous `LLMEngine` behind an asyncio interface.
 
-The engine is not thread-safe, so exactly one thread touches it: a background
-"engine thread" that applies queued adds and aborts between steps, steps
-while any request is unfinished, and blocks on a condition variable when
-idle (no busy polling). Callers on any asyncio loop talk to it through a
-lock-protected list of operations; outputs come back to each request's
-`RequestStream` through `loop.call_soon_threadsafe`, one callback per loop
-per step.
+Three kinds of thread, each with one job:
 
-    caller (event loop)            engine thread
-    add_request ── ops ──────────▶ engine.add_request ─┐
-    abort       ── ops ──────────▶ engine.abort_request │ between steps
-                                   engine.step() ◀──────┘
-    RequestStream ◀── call_soon_threadsafe ── outputs, metrics
+    caller (any event loop)        processor thread             engine thread
+    add_request ── prompt ───────▶ Processor.process ──┐
+                ◀─ InvalidRequestError (bad input) ────┘
+                ── AddRequest ──────────────────────────────────▶ add_processed_request
+    abort       ── AbortRequests ───────────────────────────────▶ abort_request  } between
+    RequestStream ◀── call_soon_threadsafe ── outputs ──────────── step()         } steps
 
-Per-request latency metrics (TTFT, inter-token latency, end-to-end, queue
-time) are measured here, in the engine thread, as outputs leave the engine.
+Tokenizing and chat templates run on the processor thread, so a long prompt
+never blocks an event loop nor delays a step. The engine is not thread-safe:
+only the engine thread touches it, applying the queued operations (typed
+messages) between steps, stepping while any request is unfinished, and
+sleeping on a condition variable when idle. Outputs go back to each
+request's `RequestStream` with one callback per loop per step.
+
+If a step raises what the engine cannot pin on one request, the engine is
+dead: every stream ends with `EngineDeadError`, new requests are refused, and
+`on_dead` is called (the server then exits non-zero for its supervisor).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +39,11 @@ from pagoda.config import EngineArgs
 from pagoda.core.stats import SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
+from pagoda.errors import EngineDeadError, RequestFailedError
 from pagoda.metrics import EngineMetrics
 from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import SamplingParams
+from pagoda.request import Request
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -50,40 +57,69 @@ class QueueFullError(RuntimeError):
 
 
 class EngineNotAcceptingError(RuntimeError):
-    """The engine is shutting down, or has died (`__cause__` says why)."""
+    """The engine is shutting down and takes no new requests."""
+
+
+# ---- operations for the engine thread ------------------------------------------------
 
 
 @dataclass
-class _Timing:
-    """Engine-thread bookkeeping for one request's latency metrics."""
+class ProcessedRequest:
+    """A request the Processor has checked and tokenized, ready for the engine."""
 
-    arrival_time: float
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_generation_tokens: int = 0
+    request_id: str
+    children: list[Request]
+    prompt_text: str | None
+
+
+@dataclass
+class AddRequests:
+    """Queue these requests, all or none; `accepted` resolves on the caller's loop."""
+
+    requests: list[ProcessedRequest]
+    streams: list[RequestStream]
+    accepted: asyncio.Future
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class AbortAll:
+    pass
+
+
+EngineOp = AddRequests | AbortRequests | AbortAll
 
 
 class RequestStream:
     """The outputs of one request, in order, as an async iterator.
 
-    Each item is a cumulative `RequestOutput` (every completion's text, token
-    ids and logprobs so far), so a reader that falls behind gets only the
-    newest one: outputs it missed are contained in it, and memory stays
-    bounded however slow the reader. The last item has `finished=True`
-    (finish_reason "abort" when it was aborted). If the engine fails, the
-    iterator raises `EngineNotAcceptingError`. Only the owning loop reads it.
+    Outputs are of the kind the request's params ask (`output_kind`). A reader
+    that falls behind gets what piled up as one output: deltas concatenated, or
+    the newest cumulative one. The last item has `finished=True` (finish_reason
+    "abort" when it was aborted). A request that failed alone raises
+    `RequestFailedError`; if the engine died, `EngineDeadError`. Only the owning
+    loop reads it.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
         self.request_id = request_id
         self.loop = loop
+        self.output_kind = output_kind
         self.finished = False
-        self._latest: RequestOutput | BaseException | None = None
+        self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on self.loop
-        if not isinstance(self._latest, BaseException):  # an error is never replaced
-            self._latest = item
+        self._items.append(item)
         self._ready.set()
 
     def __aiter__(self) -> RequestStream:
@@ -94,20 +130,30 @@ class RequestStream:
             raise StopAsyncIteration
         await self._ready.wait()
         self._ready.clear()
-        item, self._latest = self._latest, None
-        if isinstance(item, BaseException):
+        merged: RequestOutput | None = None
+        while self._items:
+            item = self._items.popleft()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if merged is None or self.output_kind != RequestOutputKind.DELTA:
+                merged = item
+            else:
+                merged.add(item)
+            if item.error is not None:
+                self.finished = True
+                raise RequestFailedError(item.error, item.error_is_client)
+        if merged.finished:
             self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+        return merged
 
 
 class AsyncEngine:
     """Runs an `LLMEngine` in a background thread; thread-safe, usable from any loop.
 
     `max_queue_len` bounds the requests accepted but not yet running; past it
-    `add_request` raises `QueueFullError`.
+    `add_request` raises `QueueFullError`. `on_dead(error)` is called from the
+    engine thread if the engine dies.
     """
 
     def __init__(
@@ -115,6 +161,7 @@ class AsyncEngine:
         engine: LLMEngine | Callable[[], LLMEngine],
         model_name: str | None = None,
         max_queue_len: int | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         """`engine`: an engine, or a function that builds one. A function runs in the
         engine thread, so that thread is the only one that ever runs torch: a second
@@ -123,19 +170,22 @@ class AsyncEngine:
         if max_queue_len is not None and max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}.")
         self.max_queue_len = max_queue_len
+        self.on_dead = on_dead
         self._cond = threading.Condition()
-        self._ops: list[tuple] = []  # guarded by _cond
-        self._num_unfinished = 0  # accepted and not finished; guarded by _cond
-        # Adds not yet reflected in _stats; guarded by _cond, as is _stats itself.
+        # Guarded by _cond: pending operations, the engine's snapshot as of its last
+        # loop, and how many requests were added since that snapshot was taken.
+        self._ops: list[EngineOp] = []
+        self._stats: SchedulerStats | None = None
+        self._num_unfinished = 0
         self._num_unseen_adds = 0
         self._accepting = True
         self._stopping = False
         self._error: BaseException | None = None
         self.num_steps = 0
-        # Engine-thread state.
-        self._streams: dict[str, RequestStream] = {}
-        self._timings: dict[str, _Timing] = {}
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._ids = itertools.count()
+        self._processor_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-processor")
+        self._model_name = model_name
         built = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(engine, built), name="pagoda-engine", daemon=True
@@ -143,16 +193,18 @@ class AsyncEngine:
         self._thread.start()
         built.wait()
         if self._error is not None:  # building the engine failed: the caller's error
+            self._processor_pool.shutdown(wait=False)
             raise self._error
-        self.model_name = model_name or self.engine.model_config.model
-        self._stats: SchedulerStats = self._read_stats()
-        self.metrics = EngineMetrics(self.model_name, self.engine.max_model_len, self.get_stats)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncEngine:
         return cls(lambda: LLMEngine.from_engine_args(engine_args), **kwargs)
 
     # ---- facts about the engine (read-only, safe from any thread) -------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name or self.engine.model_config.model
 
     @property
     def tokenizer(self):
@@ -177,12 +229,13 @@ class AsyncEngine:
 
     def get_stats(self) -> SchedulerStats:
         """The engine's stats as of its last step (see `LLMEngine.get_stats`)."""
-        return self._stats
+        with self._cond:
+            return self._stats
 
     def num_queued(self) -> int:
         """Sequences waiting to run: the engine's waiting count as of its last step,
-        plus requests added since (a request with n > 1 waits as n sequences
-        once the engine has it)."""
+        plus requests added since (a request with n > 1 waits as n sequences once the
+        engine has it)."""
         with self._cond:
             return self._stats.num_requests_waiting + self._num_unseen_adds
 
@@ -191,13 +244,56 @@ class AsyncEngine:
     def check_capacity(self, num_new: int = 1) -> None:
         """Raise if `num_new` more requests cannot be accepted now."""
         if self._error is not None:
-            raise EngineNotAcceptingError("the engine has stopped after an error.") from self._error
+            raise EngineDeadError("the engine has stopped after an error.") from self._error
         if not self._accepting:
             raise EngineNotAcceptingError("the server is shutting down.")
         if self.max_queue_len is not None and self.num_queued() + num_new > self.max_queue_len:
             raise QueueFullError(
                 f"the request queue is full ({self.max_queue_len} waiting); retry later."
             )
+
+    async def run_in_processor(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the processor thread (tokenizing, chat templates, request
+        checks: anything that may take long on a big input), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._processor_pool, fn, *args)
+
+    async def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
+        """Check and tokenize a request on the processor thread. Raises
+        InvalidRequestError (a ValueError naming the field) on bad input."""
+        children, text = await self.run_in_processor(
+            self.engine.processor.process, request_id, prompt, params, priority, arrival_time
+        )
+        return ProcessedRequest(request_id, children, text)
+
+    async def add_processed(self, requests: list[ProcessedRequest]) -> list[RequestStream]:
+        """Queue checked requests, all or none (one operation for the engine thread);
+        returns their streams once the engine has them. Raises QueueFullError,
+        EngineNotAcceptingError, EngineDeadError, or InvalidRequestError for a request
+        id already in use. Cancelling the caller aborts them."""
+        self.check_capacity(len(requests))
+        loop = asyncio.get_running_loop()
+        streams = [
+            RequestStream(r.request_id, loop, r.children[0].sampling_params.output_kind)
+            for r in requests
+        ]
+        op = AddRequests(requests, streams, loop.create_future())
+        with self._cond:
+            self._num_unseen_adds += len(requests)
+            self._ops.append(op)
+            self._cond.notify()
+        try:
+            await op.accepted
+        except asyncio.CancelledError:
+            self.abort([r.request_id for r in requests])
+            raise
+        return streams
 
     async def add_request(
         self,
@@ -206,27 +302,10 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
     ) -> RequestStream:
-        """Queue a request; returns its stream once the engine has accepted it.
-
-        Raises what `LLMEngine.add_request` raises (ValueError naming the field),
-        `QueueFullError`, or `EngineNotAcceptingError`. Cancelling the caller
-        aborts the request.
-        """
+        """Check, tokenize and queue one request; returns its stream (see `add_processed`)."""
         self.check_capacity(1)
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop)
-        accepted = loop.create_future()
-        op = ("add", request_id, prompt, params, priority, stream, accepted, time.monotonic())
-        with self._cond:
-            self._num_unfinished += 1
-            self._num_unseen_adds += 1
-            self._ops.append(op)
-            self._cond.notify()
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
+        processed = await self.process(request_id, prompt, params, priority, time.monotonic())
+        (stream,) = await self.add_processed([processed])
         return stream
 
     async def generate(
@@ -236,7 +315,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs until it finishes.
+        """Add a request and yield its outputs (of `params.output_kind`) until it finishes.
 
         Closing or cancelling the iterator early (a client that went away)
         aborts the request in the engine, which frees its blocks.
@@ -254,15 +333,11 @@ class AsyncEngine:
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests (thread-safe, returns at once); unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        with self._cond:
-            self._ops.append(("abort", ids))
-            self._cond.notify()
+        self._push(AbortRequests(ids))
 
     def abort_all(self) -> None:
         """Abort every unfinished request; each stream ends with finish_reason "abort"."""
-        with self._cond:
-            self._ops.append(("abort_all",))
-            self._cond.notify()
+        self._push(AbortAll())
 
     def stop_accepting(self) -> None:
         """Refuse new requests (EngineNotAcceptingError); running ones go on."""
@@ -274,28 +349,37 @@ class AsyncEngine:
         self._accepting = False
         with self._cond:
             if abort:
-                self._ops.append(("abort_all",))
+                self._ops.append(AbortAll())
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+        self._processor_pool.shutdown(wait=False, cancel_futures=True)
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is unfinished (for tests and drains)."""
         deadline = time.monotonic() + timeout
         while True:
             with self._cond:
-                idle = self._num_unfinished == 0 and not self._ops
-            if idle and self._stats.num_requests_running == 0:
+                idle = self._num_unfinished == 0 and not self._ops and not self._num_unseen_adds
+            if idle or self._error is not None:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine did not become idle in time.")
             await asyncio.sleep(0.01)
+
+    def _push(self, op: EngineOp) -> None:
+        with self._cond:
+            self._ops.append(op)
+            self._cond.notify()
 
     # ---- the engine thread -----------------------------------------------------
 
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: threading.Event) -> None:
         try:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self.metrics = EngineMetrics(self.model_name, self.engine.max_model_len, self.get_stats)
+            self.engine.stat_loggers.append(self.metrics)
+            self._stats = self.engine.get_stats()
         except BaseException as e:
             self._error = e
             return
@@ -305,8 +389,13 @@ class AsyncEngine:
             self._loop()
         except BaseException as e:  # a bug or an OOM: fail every request, loudly
             logger.exception("pagoda engine thread died")
-            self._error = e
-            self._fail_all(e)
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"{e!r}")
+            if error is not e:
+                error.__cause__ = e
+            self._error = error
+            self._fail_all(error)
+            if self.on_dead is not None:
+                self.on_dead(error)
 
     def _loop(self) -> None:
         engine = self.engine
@@ -318,48 +407,50 @@ class AsyncEngine:
                 ops, self._ops = self._ops, []
                 stopping = self._stopping
             sends: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any, Any]]] = {}
+            num_adds = 0
             for op in ops:
-                self._apply(op, sends)
+                num_adds += self._apply(op, sends)
             if engine.has_unfinished_requests():
-                step_start = time.monotonic()
                 outputs = engine.step()
                 self.num_steps += 1
-                now = time.monotonic()
                 for output in outputs:
-                    self._record(output, now, step_start)
                     self._send_output(output, sends)
             busy = engine.has_unfinished_requests()
-            stats = self._read_stats()
+            stats = engine.get_stats()
             with self._cond:
                 self._stats = stats
-                self._num_unseen_adds -= sum(op[0] == "add" for op in ops)
+                self._num_unfinished = engine.get_num_unfinished_requests()
+                self._num_unseen_adds -= num_adds
             _post(sends)
             if stopping and not busy:
                 with self._cond:
                     if not self._ops:
                         return
 
-    def _apply(self, op: tuple, sends: dict) -> None:
-        kind = op[0]
-        if kind == "add":
-            _, request_id, prompt, params, priority, stream, accepted, arrival = op
+    def _apply(self, op: EngineOp, sends: dict) -> int:
+        """Apply one operation; returns the number of requests it tried to add."""
+        if isinstance(op, AddRequests):
             error = None
+            added = []
             try:
-                self.engine.add_request(request_id, prompt, params, priority, arrival)
-            except Exception as e:  # bad input: the caller's error, not the engine's
+                for request in op.requests:
+                    self.engine.add_processed_request(
+                        request.request_id, request.children, request.prompt_text
+                    )
+                    added.append(request.request_id)
+            except Exception as e:  # a duplicate request id: the caller's error
                 error = e
-                with self._cond:
-                    self._num_unfinished -= 1
+                self.engine.abort_request(added)  # all or none
             else:
-                self._streams[request_id] = stream
-                self._timings[request_id] = _Timing(arrival)
-            sends.setdefault(stream.loop, []).append((_resolve, accepted, error))
-        elif kind in ("abort", "abort_all"):
-            ids = list(self._streams) if kind == "abort_all" else op[1]
-            now = time.monotonic()
-            for output in self.engine.abort_request(ids):
-                self._record(output, now, now)
-                self._send_output(output, sends)
+                for stream in op.streams:
+                    self._streams[stream.request_id] = stream
+            loop = op.accepted.get_loop()
+            sends.setdefault(loop, []).append((_resolve, op.accepted, error))
+            return len(op.requests)
+        ids = list(self._streams) if isinstance(op, AbortAll) else op.request_ids
+        for output in self.engine.abort_request(ids):
+            self._send_output(output, sends)
+        return 0
 
     def _send_output(self, output: RequestOutput, sends: dict) -> None:
         stream = self._streams.get(output.request_id)
@@ -367,54 +458,19 @@ class AsyncEngine:
             return
         if output.finished:
             del self._streams[output.request_id]
-            with self._cond:
-                self._num_unfinished -= 1
         sends.setdefault(stream.loop, []).append((RequestStream._put, stream, output))
 
-    def _record(self, output: RequestOutput, now: float, step_start: float) -> None:
-        timing = self._timings.get(output.request_id)
-        if timing is None:
-            return
-        m = self.metrics
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        num_new = num_tokens - timing.num_generation_tokens
-        if num_new > 0:
-            if timing.first_token_time is None:
-                timing.first_token_time = now
-                m.ttft.observe(now - timing.arrival_time)
-                # The step that made the first token started no earlier than the
-                # request was first scheduled (equal unless its prefill was chunked).
-                scheduled = output.metrics.get("first_scheduled_time", step_start)
-                m.queue_time.observe(max(0.0, scheduled - timing.arrival_time))
-                m.prompt_tokens.inc(len(output.prompt_token_ids))
-            else:
-                m.itl.observe(now - timing.last_token_time)
-            timing.last_token_time = now
-            timing.num_generation_tokens = num_tokens
-            m.generation_tokens.inc(num_new)
-        if output.finished:
-            del self._timings[output.request_id]
-            reason = output.outputs[0].finish_reason if output.outputs else "abort"
-            m.observe_finished(
-                reason, len(output.prompt_token_ids), num_tokens, now - timing.arrival_time
-            )
-
     def _fail_all(self, error: BaseException) -> None:
-        wrapped = EngineNotAcceptingError(f"the engine stopped: {error!r}")
-        wrapped.__cause__ = error
         sends: dict = {}
         with self._cond:
             ops, self._ops = self._ops, []
         for op in ops:
-            if op[0] == "add":
-                sends.setdefault(op[5].loop, []).append((_resolve, op[6], wrapped))
+            if isinstance(op, AddRequests):
+                sends.setdefault(op.accepted.get_loop(), []).append((_resolve, op.accepted, error))
         for stream in self._streams.values():
-            sends.setdefault(stream.loop, []).append((RequestStream._put, stream, wrapped))
+            sends.setdefault(stream.loop, []).append((RequestStream._put, stream, error))
         self._streams.clear()
         _post(sends)
-
-    def _read_stats(self) -> SchedulerStats:
-        return self.engine.get_stats()
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

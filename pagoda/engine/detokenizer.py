@@ -1,8 +1,15 @@
-"""Incremental detokenization and stop strings, one instance per request.
+"""Incremental detokenization and stop strings, one instance per completion.
 
 Text is decoded over a small sliding window of ids (vLLM's prefix/read
-offsets), so each step costs O(1) and a multi-byte UTF-8 character split
-across tokens is held back until it is whole.
+offsets), so each step costs O(1) whatever the output's length, and a
+multi-byte UTF-8 character split across tokens is held back until it is whole.
+
+Stop strings: the last `max(len(stop)) - 1` characters are held back too,
+since they may still turn out to begin a stop string; a match is searched
+only in the held-back text plus the new text, where it can end.
+
+    released text | pending (held back) | new text
+                  |<-------- searched for a stop string ------->|
 """
 
 from __future__ import annotations
@@ -25,48 +32,48 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop
-        self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # the window
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
-        self.output_text = ""
+        self.pending = ""  # decoded, not yet released
+        self.stopped = False
 
-    def add_tokens(self, new_token_ids: list[int], last: bool = False) -> str | None:
-        """Append tokens; returns the stop string that matched, if any (the text is cut there).
-
-        `last` flushes text held back for an incomplete character: nothing follows.
-        """
+    def add_tokens(self, new_token_ids: list[int], last: bool = False) -> tuple[str, str | None]:
+        """Decode the new tokens. Returns (text released now, the stop string that
+        matched or None); after a match the text ends there and nothing more comes.
+        `last` releases what is held back: nothing follows."""
+        if self.stopped:
+            return "", None
         self.token_ids.extend(new_token_ids)
+        text = self.pending + self._decode_new(last)
+        self.pending = ""
+        if self.stop:
+            match = min(((i, s) for s in self.stop if (i := text.find(s)) != -1), default=None)
+            if match is not None:
+                i, stop = match
+                self.stopped = True
+                return text[: i + len(stop)] if self.include_stop else text[:i], stop
+        if not last and self.hold:
+            text, self.pending = text[: -self.hold], text[-self.hold :]
+        return text, None
+
+    def flush(self) -> str:
+        """What is still held back, when the completion ends for another reason."""
+        text, self.pending = self.pending, ""
+        return text
+
+    def _decode_new(self, last: bool) -> str:
         decode = self.tokenizer.decode
+        window = self.token_ids[self.prefix_offset :]
         prefix = decode(
-            self.token_ids[self.prefix_offset : self.read_offset],
+            window[: self.read_offset - self.prefix_offset],
             skip_special_tokens=self.skip_special_tokens,
         )
-        full = decode(
-            self.token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens
-        )
+        full = decode(window, skip_special_tokens=self.skip_special_tokens)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not last):
-            return None  # an incomplete character: wait for the next token
-        new_text = full[len(prefix) :]
-        old_len = len(self.output_text)
-        self.output_text += new_text
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
-        return self._check_stop(old_len) if self.stop else None
-
-    def visible_text(self, finished: bool) -> str:
-        """The text safe to show: while running, the tail that could still turn
-        out to begin a stop string is held back (it may yet be cut)."""
-        if finished or not self.stop:
-            return self.output_text
-        hold = max(len(s) for s in self.stop) - 1
-        return self.output_text[: len(self.output_text) - hold] if hold else self.output_text
-
-    def _check_stop(self, old_len: int) -> str | None:
-        text = self.output_text
-        for stop in self.stop:
-            # Only where the new text could complete a match.
-            idx = text.find(stop, max(0, old_len - len(stop) + 1))
-            if idx != -1:
-                self.output_text = text[: idx + len(stop)] if self.include_stop else text[:idx]
-                return stop
-        return None
+            return ""  # nothing new, or an incomplete character: wait for the next token
+        # The next window starts at the old read offset; ids before it are never decoded again.
+        del self.token_ids[: self.read_offset]
+        self.prefix_offset, self.read_offset = 0, len(self.token_ids)
+        return full[len(prefix) :]

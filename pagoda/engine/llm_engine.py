@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import replace
 
 from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
-from pagoda.core.stats import SchedulerStats
+from pagoda.core.stats import IterationStats, SchedulerStats
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor, PromptType
+from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.model_executor.model_loader import load_tokenizer
 from pagoda.outputs import RequestOutput
-from pagoda.request import RequestStatus
+from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# Steps in a row in which a lone request failed (not by its own input) before the
+# engine gives up: a fault that hits whatever runs is the engine's, not a request's.
+_MAX_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -54,8 +62,13 @@ class LLMEngine:
             num_host_blocks=self.model_runner.num_host_blocks,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
-        self.processor = Processor(self.tokenizer, model_config, max_model_len)
+        self.processor = Processor(
+            self.tokenizer, model_config, max_model_len, engine_args.create_request_limits()
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Objects with record(IterationStats), called after each step and abort (metrics).
+        self.stat_loggers: list = []
+        self._num_failed_steps = 0  # consecutive steps where a request failed on its own
         logger.info(
             "pagoda engine: model %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens in flight, "
             "max_model_len %d",
@@ -80,37 +93,131 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError (naming the field) on bad input.
+        """Check and queue a request. Raises InvalidRequestError (a ValueError naming the
+        field) on bad input, and then has queued nothing.
 
         With `params.n > 1` the request runs as n children that share the
         prompt's blocks; its RequestOutput carries n completions.
         """
-        if request_id in self.output_processor:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
         children, text = self.processor.process(request_id, prompt, params, priority, arrival_time)
-        self.output_processor.add_request(request_id, children, text)
+        self.add_processed_request(request_id, children, text)
+
+    def add_processed_request(
+        self, request_id: str, children: list[Request], prompt_text: str | None
+    ) -> None:
+        """Queue a request that `processor.process` has already checked (the async engine
+        runs the Processor on its own thread, then hands the result here)."""
+        if request_id in self.output_processor:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use.", "request_id")
+        self.output_processor.add_request(request_id, children, prompt_text)
         self.scheduler.add_request(children[0], fork_siblings=children[1:])
 
     def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
-        """Abort requests by id, freeing their blocks; unknown ids are ignored."""
+        """Abort requests by id, freeing their blocks; unknown ids are ignored. Returns
+        their final outputs (finish_reason "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         child_ids = [cid for rid in ids for cid in self.output_processor.child_ids(rid)]
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.abort_requests(ids)
+        outputs, stats = self.output_processor.abort_requests(ids, time.monotonic())
+        self._record(stats)
+        return outputs
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; returns the outputs of requests that progressed."""
+        """Run one model step; returns the outputs of requests that progressed.
+
+        A request whose step inputs or sampling raise fails alone (finish_reason
+        "error", its blocks freed) and the others go on. Raises EngineDeadError if
+        the failure cannot be pinned on requests (every request of the step fails).
+        """
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        self.model_runner.move_blocks(scheduler_output)
+        runner_output, failures = self._execute(scheduler_output)
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        if failures:
+            scheduler_output, outputs = self._fail(scheduler_output, failures, now)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        progressed, stopped, failed, stats = self.output_processor.process_outputs(
+            core_outputs, now
+        )
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        self._record(stats)
+        return outputs + progressed
+
+    def _execute(
+        self, sched: SchedulerOutput
+    ) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
+        """Run the step; if it raises, run halves of it again (recursively) to find the
+        requests that fail on their own. Returns (merged output, child id -> error)."""
+        try:
+            return self.model_runner.execute_model(sched), {}
+        except Exception as e:
+            if len(sched.scheduled) > 1:
+                logger.warning(
+                    "a step of %d requests failed (%r); running them apart to find which",
+                    len(sched.scheduled),
+                    e,
+                )
+            first_error = e
+        results: list[ModelRunnerOutput] = []
+        failures: dict[str, BaseException] = {}
+
+        def bisect(part: list) -> None:
+            """`part` failed as a whole: run each half; a lone request that fails owns its error."""
+            for half in (part[: len(part) // 2], part[len(part) // 2 :]):
+                try:
+                    results.append(self.model_runner.execute_model(replace(sched, scheduled=half)))
+                except Exception as e:
+                    if len(half) == 1:
+                        failures[half[0].request_id] = e
+                    else:
+                        bisect(half)
+
+        if len(sched.scheduled) == 1:
+            failures[sched.scheduled[0].request_id] = first_error
+        else:
+            bisect(sched.scheduled)
+        real_failures = [e for e in failures.values() if not isinstance(e, InvalidRequestError)]
+        self._num_failed_steps = self._num_failed_steps + 1 if real_failures else 0
+        if len(failures) == len(sched.scheduled) and (
+            len(failures) > 1 or self._num_failed_steps >= _MAX_FAILED_STEPS
+        ):
+            raise EngineDeadError(
+                f"every request of the step failed ({len(failures)}): {first_error!r}"
+            ) from first_error
+        for request_id, error in failures.items():
+            logger.error("request %s failed in its step: %r", request_id, error, exc_info=error)
+        return ModelRunnerOutput.merge(results), failures
+
+    def _fail(
+        self, sched: SchedulerOutput, failures: dict[str, BaseException], now: float
+    ) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """End the requests that own the failed children (all their completions), free
+        their blocks, and drop them from the step's results."""
+        op = self.output_processor
+        by_parent = {op.parent_id(cid): error for cid, error in failures.items()}
+        ended = {cid for parent in by_parent for cid in op.child_ids(parent)}
+        self.scheduler.finish_requests(ended, RequestStatus.FINISHED_ERROR)
+        outputs, stats = op.fail_requests(
+            {
+                parent: (f"the request failed: {error!r}", isinstance(error, InvalidRequestError))
+                for parent, error in by_parent.items()
+            },
+            now,
+        )
+        self._record(stats)
+        remaining = [s for s in sched.scheduled if s.request_id not in ended]
+        return replace(sched, scheduled=remaining), outputs
+
+    def _record(self, stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.output_processor.states)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)

@@ -1,37 +1,88 @@
 """Turns engine-core outputs into `RequestOutput`s: detokenizes, applies stop strings,
-gathers the n completions of a request (parallel sampling) into one output."""
+gathers the n completions of a request (parallel sampling) into one output, and
+keeps each request's timeline (arrival, first scheduled, first and last token).
+
+It is the one owner of the requests a user sees: `len(states)` is the number of
+unfinished requests, and the per-step `IterationStats` it returns are what the
+metrics record.
+
+What each output carries follows the request's `output_kind`: DELTA outputs
+hold only what the step added (nothing accumulates here, so a long stream
+costs O(1) per step); CUMULATIVE and FINAL_ONLY keep the totals.
+"""
 
 from __future__ import annotations
 
-import time
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from pagoda.core.sched_output import EngineCoreOutput
+from pagoda.core.stats import FinishedRequestStats, IterationStats
 from pagoda.engine.detokenizer import IncrementalDetokenizer
-from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagoda.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagoda.request import Request
+from pagoda.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class CompletionState:
     index: int
+    child_id: str  # the scheduler's request id
     detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
+    keeps_totals: bool  # CUMULATIVE or FINAL_ONLY
+    wants_logprobs: bool
+    num_tokens: int = 0
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Totals (only when keeps_totals).
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # This step's delta.
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    newly_finished: bool = False
 
-    def to_output(self) -> CompletionOutput:
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.newly_finished = True
+        self.new_text += self.detokenizer.flush()
+
+    def to_output(self, kind: RequestOutputKind) -> CompletionOutput:
+        delta = kind == RequestOutputKind.DELTA
+        logprobs = (
+            (self.new_logprobs if delta else list(self.logprobs)) if self.wants_logprobs else None
+        )
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.visible_text(finished=self.finish_reason is not None),
-            token_ids=list(self.token_ids),
+            text=self.new_text if delta else self.text,
+            token_ids=self.new_token_ids if delta else list(self.token_ids),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=logprobs,
             cumulative_logprob=self.cumulative_logprob,
         )
+
+    def add_delta_to_totals(self) -> None:
+        if self.keeps_totals:
+            self.text += self.new_text
+            self.token_ids += self.new_token_ids
+            self.logprobs += self.new_logprobs
+
+    def clear_delta(self) -> None:
+        self.new_text, self.new_token_ids, self.new_logprobs = "", [], []
+        self.newly_finished = False
 
 
 @dataclass
@@ -41,29 +92,68 @@ class RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    arrival_time: float
+    output_kind: RequestOutputKind
     completions: list[CompletionState]
+    metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    first_token_time: float | None = None
+    prompt_logprobs_sent: bool = False
+    error: str | None = None
+    error_is_client: bool = False
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
-    def to_output(self) -> RequestOutput:
-        metrics = {"arrival_time": self.arrival_time}
-        if self.first_token_time is not None:
-            metrics["first_token_time"] = self.first_token_time
+    @property
+    def num_generation_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.completions)
+
+    def to_output(self) -> RequestOutput | None:
+        """This step's output, or None where the output kind has nothing to send."""
+        kind, finished = self.output_kind, self.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            completions = [
+                c for c in self.completions if c.new_token_ids or c.new_text or c.newly_finished
+            ]
+            # Prompt logprobs go out once, with the first token (when they are complete).
+            prompt_logprobs = None
+            ready = finished or any(c.num_tokens for c in self.completions)
+            if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and ready:
+                prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        else:
+            completions = self.completions
+            prompt_logprobs = self.prompt_logprobs
+        if not completions and prompt_logprobs is None and not finished:
+            return None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.to_output() for c in self.completions],
-            finished=self.finished,
-            prompt_logprobs=list(self.prompt_logprobs)
-            if self.prompt_logprobs is not None
-            else None,
-            metrics=metrics,
+            outputs=[c.to_output(kind) for c in completions],
+            finished=finished,
+            prompt_logprobs=prompt_logprobs,
+            metrics=dataclasses.replace(self.metrics),  # a copy: the reader may be another thread
+            error=self.error,
+            error_is_client=self.error_is_client,
+        )
+
+    def finished_stats(self) -> FinishedRequestStats:
+        m = self.metrics
+        reason = next((c.finish_reason for c in self.completions if c.finish_reason), "abort")
+        if self.error is not None:
+            reason = "error"
+        num_gen = self.num_generation_tokens
+        tpot = None
+        if num_gen > 1 and m.first_token_time is not None:
+            tpot = (m.last_token_time - m.first_token_time) / (num_gen - 1)
+        return FinishedRequestStats(
+            finish_reason=reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_generation_tokens=num_gen,
+            e2e_latency=m.finished_time - m.arrival_time,
+            time_per_output_token=tpot,
         )
 
 
@@ -71,23 +161,25 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
-        self.child_to_parent: dict[str, tuple[str, int]] = {}
-        self.parent_to_children: dict[str, list[str]] = {}
+        self.child_to_parent: dict[str, tuple[str, int]] = {}  # unfinished children only
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states or request_id in self.child_to_parent
 
+    def parent_id(self, child_id: str) -> str:
+        return self.child_to_parent[child_id][0]
+
     def child_ids(self, request_id: str) -> list[str]:
         """The scheduler ids of the request's completions that are still running."""
-        return [
-            cid
-            for cid in self.parent_to_children.get(request_id, ())
-            if cid in self.child_to_parent
-        ]
+        state = self.states.get(request_id)
+        if state is None:
+            return []
+        return [c.child_id for c in state.completions if c.finish_reason is None]
 
     def add_request(self, request_id: str, children: list[Request], prompt: str | None) -> None:
         first = children[0]
         p = first.sampling_params
+        keeps_totals = p.output_kind != RequestOutputKind.DELTA
         completions = []
         for i, child in enumerate(children):
             detok = IncrementalDetokenizer(
@@ -98,77 +190,140 @@ class OutputProcessor:
                 p.include_stop_str_in_output,
             )
             completions.append(
-                CompletionState(i, detok, logprobs=[] if p.logprobs is not None else None)
+                CompletionState(i, child.request_id, detok, keeps_totals, p.logprobs is not None)
             )
             self.child_to_parent[child.request_id] = (request_id, i)
-        self.parent_to_children[request_id] = [c.request_id for c in children]
         self.states[request_id] = RequestState(
             request_id,
             prompt,
             first.prompt_token_ids,
-            first.arrival_time,
+            p.output_kind,
             completions,
+            RequestMetrics(arrival_time=first.arrival_time),
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         )
 
     def process_outputs(
-        self, core_outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (outputs of requests that progressed, child ids that hit a stop string).
+        self, core_outputs: list[EngineCoreOutput], now: float
+    ) -> tuple[list[RequestOutput], list[str], list[str], IterationStats]:
+        """Apply one step's core outputs (at time `now`).
 
-        The caller must finish the stop-string ids in the scheduler.
+        Returns (outputs of requests with something to send, child ids that hit a
+        stop string, child ids that failed here, the step's stats). The caller must
+        finish the stopped and failed children in the scheduler.
         """
+        stats = IterationStats()
         progressed: dict[str, RequestState] = {}
-        stopped = []
-        now = time.monotonic()
+        stopped: list[str] = []
         for out in core_outputs:
             parent_id, index = self.child_to_parent[out.request_id]
             state = self.states[parent_id]
             progressed[parent_id] = state
-            if out.prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, *out.prompt_logprobs)
-            if not out.new_token_ids:
-                continue
-            if state.first_token_time is None:
-                state.first_token_time = now
-            c = state.completions[index]
-            c.token_ids.extend(out.new_token_ids)
-            if out.logprobs is not None and c.logprobs is not None:
-                chosen, entry = out.logprobs
-                c.logprobs.append(self._to_logprobs(entry))
-                c.cumulative_logprob = (c.cumulative_logprob or 0.0) + entry[chosen][0]
-            stop_str = c.detokenizer.add_tokens(
-                out.new_token_ids, last=out.finish_reason is not None
-            )
-            if stop_str is not None:
-                c.finish_reason, c.stop_reason = "stop", stop_str
-                if out.finish_reason is None:
+            try:
+                if self._apply(state, state.completions[index], out, now, stats):
                     stopped.append(out.request_id)
-            elif out.finish_reason is not None:
-                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-            if c.finish_reason is not None:
-                del self.child_to_parent[out.request_id]
-        outputs = []
-        for parent_id, state in progressed.items():
-            outputs.append(state.to_output())
-            if state.finished:
-                del self.states[parent_id]
-                del self.parent_to_children[parent_id]
-        return outputs, stopped
+            except Exception as e:  # a bug this request's data tripped: it fails alone
+                logger.exception("request %s failed in output processing", parent_id)
+                self._fail(state, f"output processing failed: {e!r}", False)
+        failed = []
+        for state in progressed.values():
+            if state.error is not None:
+                failed += [
+                    c.child_id for c in state.completions if c.child_id in self.child_to_parent
+                ]
+        return self._emit(progressed.values(), now, stats), stopped, failed, stats
 
-    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _apply(
+        self,
+        state: RequestState,
+        c: CompletionState,
+        out: EngineCoreOutput,
+        now: float,
+        stats: IterationStats,
+    ) -> bool:
+        """One completion's step; True if it hit a stop string the scheduler must apply."""
+        m = state.metrics
+        if out.scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = out.scheduled_time
+            stats.queue_times.append(out.scheduled_time - m.arrival_time)
+        if out.prompt_logprobs is not None:
+            self._add_prompt_logprobs(state, *out.prompt_logprobs)
+        if not out.new_token_ids:
+            return False
+        if m.first_token_time is None:
+            m.first_token_time = now
+            stats.time_to_first_tokens.append(now - m.arrival_time)
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
+        elif m.last_token_time != now:  # one gap per request per step, however many children
+            stats.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+        stats.num_generation_tokens += len(out.new_token_ids)
+        c.num_tokens += len(out.new_token_ids)
+        c.new_token_ids += out.new_token_ids
+        if out.logprobs is not None and c.wants_logprobs:
+            chosen, entry = out.logprobs
+            c.new_logprobs.append(self._to_logprobs(entry))
+            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + entry[chosen][0]
+        text, stop_str = c.detokenizer.add_tokens(
+            out.new_token_ids, last=out.finish_reason is not None
+        )
+        c.new_text += text
+        if stop_str is not None:
+            c.finish("stop", stop_str)
+            return out.finish_reason is None
+        if out.finish_reason is not None:
+            c.finish(out.finish_reason, out.stop_reason)
+        return False
+
+    def _emit(self, states, now: float, stats: IterationStats) -> list[RequestOutput]:
         outputs = []
-        for request_id in request_ids:
-            for cid in self.child_ids(request_id):
-                del self.child_to_parent[cid]
-            state = self.states.pop(request_id, None)
-            self.parent_to_children.pop(request_id, None)
-            if state is not None:
-                for c in state.completions:
-                    if c.finish_reason is None:
-                        c.finish_reason = "abort"
-                outputs.append(state.to_output())
+        for state in states:
+            for c in state.completions:
+                if c.finish_reason is not None:
+                    self.child_to_parent.pop(c.child_id, None)
+            for c in state.completions:
+                c.add_delta_to_totals()
+            output = state.to_output()
+            if output is not None:
+                outputs.append(output)
+            for c in state.completions:
+                c.clear_delta()
+            if state.finished:
+                state.metrics.finished_time = now
+                stats.finished_requests.append(state.finished_stats())
+                del self.states[state.request_id]
         return outputs
+
+    def abort_requests(
+        self, request_ids: list[str], now: float
+    ) -> tuple[list[RequestOutput], IterationStats]:
+        """End the given requests (unknown ids are ignored); their unfinished completions
+        get finish_reason "abort". The caller frees their children in the scheduler."""
+        return self._end(request_ids, now, lambda state: None)
+
+    def fail_requests(
+        self, failures: dict[str, tuple[str, bool]], now: float
+    ) -> tuple[list[RequestOutput], IterationStats]:
+        """End requests that failed alone: request id -> (message, whether the client's
+        input was the cause). The caller frees their children in the scheduler."""
+        return self._end(list(failures), now, lambda s: self._fail(s, *failures[s.request_id]))
+
+    def _end(self, request_ids, now, mark) -> tuple[list[RequestOutput], IterationStats]:
+        stats = IterationStats()
+        states = [self.states[r] for r in dict.fromkeys(request_ids) if r in self.states]
+        for state in states:
+            mark(state)
+            for c in state.completions:
+                if c.finish_reason is None:
+                    c.finish("abort")
+        return self._emit(states, now, stats), stats
+
+    @staticmethod
+    def _fail(state: RequestState, message: str, client_error: bool) -> None:
+        state.error, state.error_is_client = message, client_error
+        for c in state.completions:
+            if c.finish_reason is None:
+                c.finish("error")
 
     def _add_prompt_logprobs(self, state: RequestState, start: int, entries: list[dict]) -> None:
         # Position p's entry scores prompt token p + 1; a recompute after preemption repeats positions.

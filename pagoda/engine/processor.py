@@ -1,81 +1,165 @@
-"""The front door: validates a request, tokenizes it, and turns it into a `Request`."""
+"""The front door: the only place a request is checked, for `LLM`, `LLMEngine` and the
+server alike. Then the prompt is tokenized (a conversation rendered through the
+model's chat template first) and turned into `Request`s.
+
+Every field of `SamplingParams` and of the prompt is checked against the
+model's real limits (token ids in [0, vocab), the context length) and the
+engine's `RequestLimits`: types, ranges, finite numbers, valid UTF-8 (no lone
+surrogates), list lengths. A bad value raises `InvalidRequestError` (a
+`ValueError`) that names the field in `param`; nothing past this point should
+fail because of what a client sent.
+
+Thread-safety: the Processor keeps its own copy of the tokenizer and no other
+mutable state, so the server runs it on a worker thread (a long prompt never
+blocks the event loop) while the engine thread detokenizes with its own.
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
+import math
+import re
+from collections.abc import Iterable
 from typing import Any
 
-from pagoda.config import ModelConfig
+from pagoda.config import ModelConfig, RequestLimits
+from pagoda.errors import InvalidRequestError
 from pagoda.request import Request
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
+# str | {"prompt": str} | {"prompt_token_ids": [int], "prompt"?: str}
+#     | {"messages": [...], "add_generation_prompt"?: bool, "chat_template_kwargs"?: dict}
 PromptType = str | dict[str, Any]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = {"role", "content", "name"}
+PROMPT_FORMS = (
+    ({"messages"}, {"add_generation_prompt", "chat_template_kwargs"}),
+    ({"prompt_token_ids"}, {"prompt"}),
+    ({"prompt"}, set()),
+)
+_INT_KEY = re.compile(r"-?[0-9]{1,20}")
+
+
+def _show(value: Any) -> str:
+    """A short repr for error messages (a bad value may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fail(
+    param: str, why: str, value: Any = None, code: str | None = None, where: str | None = None
+):
+    """Raise InvalidRequestError for `param`; the message names `where` (a path inside
+    the field, e.g. messages[2].content) when given."""
+    shown = "" if value is None else f", got {_show(value)}"
+    raise InvalidRequestError(f"{where or param} {why}{shown}.", param, code)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(value: Any, param: str, lo: int, hi: int) -> int:
+    if not _is_int(value) or not lo <= value <= hi:
+        _fail(param, f"must be an integer in [{lo}, {hi}]", value)
+    return value
+
+
+def check_real(value: Any, param: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (lo < value if lo_open else lo <= value)
+        and value <= hi
+    )
+    if not ok:
+        _fail(param, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]", value)
+    return float(value)
+
+
+def check_bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(param, "must be true or false", value)
+    return value
+
+
+def check_text(
+    value: Any, param: str, max_chars: int | None = None, where: str | None = None
+) -> str:
+    """A str that is valid Unicode for UTF-8 (a lone surrogate is not), at most `max_chars`."""
+    if not isinstance(value, str):
+        _fail(param, "must be a string", value, where=where)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        _fail(param, f"is not valid UTF-8 (a lone surrogate at character {e.start})", where=where)
+    if max_chars is not None and len(value) > max_chars:
+        _fail(param, f"must be at most {max_chars} characters long (is {len(value)})", where=where)
+    return value
+
+
+def check_list(value: Any, param: str, max_len: int, allow_empty: bool = False) -> list:
+    if not isinstance(value, list):
+        _fail(param, "must be a list", value)
+    if not value and not allow_empty:
+        _fail(param, "must not be empty")
+    if len(value) > max_len:
+        _fail(param, f"may hold at most {max_len} entries (has {len(value)})")
+    return value
+
+
+def check_strings(value: Any, param: str, limits: RequestLimits, max_len: int) -> list[str]:
+    """A non-empty string or a list of them (stop strings, bad words)."""
+    values = [value] if isinstance(value, str) else check_list(value, param, max_len, True)
+    if len(values) > max_len:
+        _fail(param, f"may hold at most {max_len} entries (has {len(values)})")
+    for item in values:
+        if not check_text(item, param, limits.max_stop_string_chars):
+            _fail(param, "must not hold empty strings")
+    return list(values)
+
+
+def check_all_text(value: Any, param: str, depth: int = 0) -> None:
+    """Every string inside a JSON-like value is valid UTF-8 (template variables)."""
+    if depth > 16:
+        _fail(param, "is nested too deeply")
+    if isinstance(value, str):
+        check_text(value, param)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_all_text(key, param, depth + 1)
+            check_all_text(item, param, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_all_text(item, param, depth + 1)
 
 
 class Processor:
-    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int) -> None:
-        self.tokenizer = tokenizer
+    def __init__(
+        self,
+        tokenizer,
+        model_config: ModelConfig,
+        max_model_len: int,
+        limits: RequestLimits | None = None,
+    ) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer)  # never shared with the engine thread
         self.model_config = model_config
         self.max_model_len = max_model_len
-        self.vocab_size = model_config.hf_config["vocab_size"]
+        self.limits = limits or RequestLimits()
+        self.vocab_size = int(model_config.hf_config["vocab_size"])
+        # chat_template_kwargs may set template variables, never apply_chat_template's own
+        # parameters (tokenize=True would hand back ids where text is expected).
+        self._reserved_template_kwargs = set(
+            inspect.signature(self.tokenizer.apply_chat_template).parameters
+        ) - {"kwargs"}
 
-    def render_chat(
-        self,
-        conversation: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """A conversation -> {"prompt": text, "prompt_token_ids": ids} via the model's chat
-        template. Raises ValueError (naming `messages`) when there is no template or it fails."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template; send a plain prompt.")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
-            )
-        except Exception as e:  # the template raised (e.g. roles out of order)
-            raise ValueError(f"messages: the chat template failed on these messages: {e}") from e
-        # The template already holds any special tokens it wants.
-        return {
-            "prompt": text,
-            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
-        }
-
-    def default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.model_config.generation_defaults)
-
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids). Raises ValueError naming the field."""
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-            if not isinstance(token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-            ):
-                raise ValueError("prompt_token_ids must be a list of integers.")
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}."
-                )
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        else:
-            raise ValueError(
-                f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}."
-            )
-        if not token_ids:
-            raise ValueError("prompt must not be empty.")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens long; max_model_len is {self.max_model_len} "
-                "(the prompt must leave room for at least one generated token)."
-            )
-        return text, list(token_ids)
+    # ---- the whole request ------------------------------------------------------------
 
     def process(
         self,
@@ -85,32 +169,19 @@ class Processor:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> tuple[list[Request], str | None]:
-        """Returns (one Request per completion, prompt text). Child i of a request with
-        n > 1 has id "<request_id>#<i>" and, if seeded, seed + i."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}.")
+        """Check and tokenize a request. Returns (one Request per completion, the prompt
+        text if it had one). Child i of a request with n > 1 has id "<request_id>#<i>"
+        and, if seeded, seed + i. Raises InvalidRequestError naming the field."""
+        check_text(request_id, "request_id", 256)
+        if not request_id:
+            _fail("request_id", "must not be empty")
+        check_int(priority, "priority", INT64_MIN, INT64_MAX)
         if params is None:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}.")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}.")
-        for token_id in params.allowed_token_ids or ():
-            if token_id >= self.vocab_size:
-                raise ValueError(
-                    f"allowed_token_ids has id {token_id} outside the vocabulary [0, {self.vocab_size})."
-                )
-        for token_id in params.logit_bias or {}:
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"logit_bias has id {token_id} outside the vocabulary [0, {self.vocab_size})."
-                )
-        text, token_ids = self.tokenize_prompt(prompt)
-        params = dataclasses.replace(
-            params,
-            eos_token_ids=self.model_config.eos_token_ids,
-            bad_words_token_ids=self._bad_words(params.bad_words),
-        )
+            _fail("params", "must be a SamplingParams", type(params).__name__)
+        text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
+        params = self.check_params(params, len(token_ids))
         if params.n == 1:
             return [Request(request_id, token_ids, params, priority, arrival_time)], text
         children = []
@@ -123,7 +194,247 @@ class Processor:
             )
         return children, text
 
-    def _bad_words(self, words: list[str] | None) -> list[list[int]]:
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_config.generation_defaults)
+
+    # ---- prompts ------------------------------------------------------------------------
+
+    def process_prompt(
+        self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+    ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids): checked, tokenized, optionally cut to its last
+        `truncate_prompt_tokens` tokens, and short enough to leave room for one token."""
+        param = "prompt"
+        if isinstance(prompt, str):
+            text, token_ids = self._check_prompt_text(prompt, "prompt"), None
+        elif isinstance(prompt, dict):
+            param = self._prompt_form(prompt)
+            if param == "messages":
+                text, token_ids = self.render_chat(
+                    prompt["messages"],
+                    prompt.get("add_generation_prompt", True),
+                    prompt.get("chat_template_kwargs"),
+                )
+            elif param == "prompt_token_ids":
+                text = prompt.get("prompt")
+                if text is not None:
+                    check_text(text, "prompt")
+                token_ids = self.check_token_ids(
+                    prompt["prompt_token_ids"], "prompt_token_ids", self.max_model_len * 64
+                )
+            else:
+                text, token_ids = self._check_prompt_text(prompt["prompt"], "prompt"), None
+        else:
+            _fail(
+                "prompt",
+                "must be a string or a dict with 'prompt', 'prompt_token_ids' or 'messages'",
+                type(prompt).__name__,
+            )
+        if token_ids is None:
+            token_ids = self.tokenizer.encode(text)
+        if not token_ids:
+            _fail(param, "must not be empty")
+        if truncate_prompt_tokens is not None:
+            keep = check_int(
+                truncate_prompt_tokens, "truncate_prompt_tokens", 1, self.max_model_len - 1
+            )
+            token_ids = token_ids[-keep:]
+        if len(token_ids) >= self.max_model_len:
+            _fail(
+                param,
+                f"is {len(token_ids)} tokens long; this model's maximum context length "
+                f"(max_model_len) is {self.max_model_len} tokens, which must leave room for "
+                "at least one generated token",
+                code="context_length_exceeded",
+            )
+        return text, list(token_ids)
+
+    def check_num_prompts(self, num_prompts: int) -> None:
+        """How many prompts one request (a /v1/completions body) may carry."""
+        if num_prompts < 1:
+            _fail("prompt", "must not be empty")
+        if num_prompts > self.limits.max_prompts:
+            _fail("prompt", f"may hold at most {self.limits.max_prompts} prompts ({num_prompts})")
+
+    def _prompt_form(self, prompt: dict[str, Any]) -> str:
+        keys = set(prompt)
+        for required, optional in PROMPT_FORMS:
+            if required <= keys:
+                extra = keys - required - optional
+                if extra:
+                    _fail(
+                        "prompt",
+                        f"has keys this form ({', '.join(sorted(required))}) does not take: "
+                        f"{', '.join(sorted(map(str, extra)))}",
+                    )
+                return next(iter(required))
+        _fail("prompt", "must have 'prompt', 'prompt_token_ids' or 'messages'", sorted(keys))
+
+    def _check_prompt_text(self, text: Any, param: str) -> str:
+        check_text(text, param)
+        if not text:
+            _fail(param, "must not be empty")
+        return text
+
+    def check_token_ids(self, token_ids: Any, param: str, max_len: int) -> list[int]:
+        """A list of token ids, each in [0, vocab_size)."""
+        check_list(token_ids, param, max_len, allow_empty=True)
+        for t in token_ids:
+            if not _is_int(t) or not 0 <= t < self.vocab_size:
+                _fail(param, f"must hold token ids in [0, {self.vocab_size})", t)
+        return token_ids
+
+    def render_chat(
+        self,
+        conversation: Any,
+        add_generation_prompt: Any = True,
+        template_kwargs: Any = None,
+    ) -> tuple[str, list[int]]:
+        """A conversation -> (prompt text, token ids) through the model's chat template.
+        Raises InvalidRequestError naming `messages` (or the template argument at fault)."""
+        check_list(conversation, "messages", 100_000)
+        check_bool(add_generation_prompt, "add_generation_prompt")
+        if template_kwargs is not None:
+            if not isinstance(template_kwargs, dict):
+                _fail("chat_template_kwargs", "must be an object", template_kwargs)
+            reserved = self._reserved_template_kwargs & set(template_kwargs)
+            if reserved:
+                _fail("chat_template_kwargs", f"may not set {', '.join(sorted(reserved))}")
+            check_all_text(template_kwargs, "chat_template_kwargs")
+        messages = [self._check_message(i, m) for i, m in enumerate(conversation)]
+        if not getattr(self.tokenizer, "chat_template", None):
+            _fail("messages", "cannot be used: this model has no chat template; send a prompt")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # the template raised (e.g. roles out of order)
+            _fail("messages", f"were refused by the chat template: {e}")
+        # The template already holds any special tokens it wants.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_message(self, i: int, message: Any) -> dict[str, str]:
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            _fail("messages", "must be an object", message, where=where)
+        extra = set(message) - MESSAGE_KEYS
+        if extra:
+            fields = ", ".join(sorted(map(str, extra)))
+            _fail("messages", f"has fields pagoda does not support: {fields}", where=where)
+        role = message.get("role")
+        if role not in ROLES:
+            _fail("messages", f"must be one of {', '.join(ROLES)}", role, where=f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                    or set(part) - {"type", "text"}
+                ):
+                    why = "may hold only text parts ({'type': 'text', 'text': ...})"
+                    _fail("messages", why, part, where=f"{where}.content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        out = {"role": role, "content": check_text(content, "messages", where=f"{where}.content")}
+        if message.get("name") is not None:
+            out["name"] = check_text(message["name"], "messages", 256, where=f"{where}.name")
+        return out
+
+    # ---- sampling parameters ---------------------------------------------------------------
+
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """A checked copy of `params` for a prompt of `num_prompt_tokens`, with the
+        engine's fields (EOS ids, bad words as token ids) filled in."""
+        p, limits, vocab = params, self.limits, self.vocab_size
+        room = self.max_model_len - num_prompt_tokens
+        check_int(p.n, "n", 1, limits.max_n)
+        check_real(p.temperature, "temperature", 0.0, 1e6)
+        check_real(p.top_p, "top_p", 0.0, 1.0, lo_open=True)
+        top_k = check_int(p.top_k, "top_k", -1, INT32_MAX)
+        check_real(p.min_p, "min_p", 0.0, 1.0)
+        check_real(p.presence_penalty, "presence_penalty", -2.0, 2.0)
+        check_real(p.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        check_real(p.repetition_penalty, "repetition_penalty", 0.0, 100.0, lo_open=True)
+        logit_bias = self._check_logit_bias(p.logit_bias)
+        if p.allowed_token_ids is not None:
+            self.check_token_ids(p.allowed_token_ids, "allowed_token_ids", vocab)
+            if not p.allowed_token_ids:
+                _fail("allowed_token_ids", "must not be empty")
+        bad_words = None
+        if p.bad_words is not None:
+            bad_words = check_strings(p.bad_words, "bad_words", limits, limits.max_bad_words)
+        if p.seed is not None:
+            check_int(p.seed, "seed", INT64_MIN, INT64_MAX)
+        max_tokens = p.max_tokens
+        cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
+        if max_tokens is None:
+            max_tokens = None if limits.max_tokens is None else cap
+        else:
+            check_int(max_tokens, "max_tokens", 1, INT64_MAX)
+            if limits.max_tokens is not None and max_tokens > limits.max_tokens:
+                _fail(
+                    "max_tokens", f"must be at most {limits.max_tokens} on this server", max_tokens
+                )
+            if max_tokens > room:
+                _fail(
+                    "max_tokens",
+                    f"is too large: this model's maximum context length (max_model_len) is "
+                    f"{self.max_model_len} tokens and the prompt is {num_prompt_tokens}, which "
+                    f"leaves room for {room} tokens, not {max_tokens}",
+                    code="context_length_exceeded",
+                )
+        check_int(p.min_tokens, "min_tokens", 0, max_tokens or room)
+        stop = (
+            [] if p.stop is None else check_strings(p.stop, "stop", limits, limits.max_stop_strings)
+        )
+        stop_token_ids = []
+        if p.stop_token_ids is not None:
+            stop_token_ids = list(self.check_token_ids(p.stop_token_ids, "stop_token_ids", vocab))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            check_bool(getattr(p, name), name)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(p, name) is not None:
+                check_int(getattr(p, name), name, 0, limits.max_logprobs)
+        if not isinstance(p.output_kind, RequestOutputKind):
+            _fail("output_kind", "must be a RequestOutputKind", p.output_kind)
+        return dataclasses.replace(
+            p,
+            top_k=-1 if top_k == 0 else top_k,  # 0 also means off, as in vLLM
+            logit_bias=logit_bias,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            bad_words=bad_words,
+            eos_token_ids=self.model_config.eos_token_ids,
+            bad_words_token_ids=self._bad_words(bad_words),
+        )
+
+    def _check_logit_bias(self, logit_bias: Any) -> dict[int, float] | None:
+        """token id (an int, or its decimal string as JSON has it) -> bias in [-100, 100]."""
+        if logit_bias is None:
+            return None
+        if not isinstance(logit_bias, dict):
+            _fail("logit_bias", "must map token ids to numbers", logit_bias)
+        if len(logit_bias) > self.limits.max_logit_bias:
+            _fail("logit_bias", f"may hold at most {self.limits.max_logit_bias} entries")
+        out = {}
+        for key, bias in logit_bias.items():
+            if isinstance(key, str) and _INT_KEY.fullmatch(key):
+                key = int(key)
+            if not _is_int(key) or not 0 <= key < self.vocab_size:
+                _fail("logit_bias", f"keys must be token ids in [0, {self.vocab_size})", key)
+            out[key] = check_real(bias, "logit_bias", -100.0, 100.0)
+        return out
+
+    def _bad_words(self, words: Iterable[str] | None) -> list[list[int]]:
         """Each bad word as token ids, with and without a leading space (as vLLM does)."""
         out = []
         for word in words or ():
@@ -132,3 +443,14 @@ class Processor:
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+    # ---- /tokenize and /detokenize -----------------------------------------------------
+
+    def tokenize(self, text: Any, add_special_tokens: Any = True) -> list[int]:
+        check_text(text, "prompt")
+        check_bool(add_special_tokens, "add_special_tokens")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: Any) -> str:
+        self.check_token_ids(token_ids, "tokens", self.max_model_len * 64)
+        return self.tokenizer.decode(token_ids)

@@ -18,7 +18,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif f.name in ("kv_cache_memory_bytes", "max_model_len", "num_threads"):
+        elif default is None:  # optional integers
             parser.add_argument(flag, type=int, default=default)
         else:
             parser.add_argument(flag, type=type(default), default=default)

@@ -19,13 +19,14 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(ns: argparse.Namespace):
-    from pagoda import SamplingParams
+    from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
     return SamplingParams(
         max_tokens=ns.max_tokens,
         temperature=ns.temperature,
         top_p=ns.top_p,
         top_k=ns.top_k,
+        output_kind=RequestOutputKind.DELTA,
     )
 
 
@@ -68,18 +69,17 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         if not user.strip():
             continue
         history.append({"role": "user", "content": user})
-        prompt = llm._render_chat(history, add_generation_prompt=True)
         request_id = f"chat-{turn}"
         turn += 1
-        engine.add_request(request_id, prompt, params)
-        printed = ""
+        engine.add_request(request_id, {"messages": history}, params)
+        reply = ""
         while engine.has_unfinished_requests():
             for out in engine.step():
-                text = out.outputs[0].text
-                print(text[len(printed) :], end="", flush=True)
-                printed = text
+                text = out.outputs[0].text if out.outputs else ""
+                print(text, end="", flush=True)
+                reply += text
         print()
-        history.append({"role": "assistant", "content": printed})
+        history.append({"role": "assistant", "content": reply})
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +106,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=8 << 20,
+        help="larger request bodies get 413 (default: 8 MiB)",
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -13,7 +14,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -56,10 +57,16 @@ class LLM:
             params_list = [sampling_params] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+        default_params = self.llm_engine.processor.default_sampling_params()
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = str(next(self._counter))
+                # One output per request, when it finishes: nothing accumulates per step.
+                if params is None or isinstance(params, SamplingParams):
+                    params = replace(
+                        params or default_params, output_kind=RequestOutputKind.FINAL_ONLY
+                    )
                 self.llm_engine.add_request(
                     request_id, prompt, params, priority[i] if priority else 0
                 )
@@ -78,13 +85,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self._render_chat(c, add_generation_prompt) for c in conversations]
+        prompts = [
+            {"messages": c, "add_generation_prompt": add_generation_prompt} for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _render_chat(
-        self, conversation: Conversation, add_generation_prompt: bool
-    ) -> dict[str, Any]:
-        return self.llm_engine.processor.render_chat(conversation, add_generation_prompt)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -47,7 +47,9 @@ class SamplingTensors:
         st.all_greedy = all(p.greedy for p in params)
         if not st.all_greedy:
             if any(p.top_k > 0 for p in params):
-                st.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params])
+                st.top_k = torch.tensor(
+                    [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+                )
             if any(p.top_p < 1.0 for p in params):
                 st.top_p = torch.tensor([p.top_p for p in params])
             if any(p.min_p > 0.0 for p in params):

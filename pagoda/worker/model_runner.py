@@ -88,7 +88,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._move_blocks(sched)
+        """Run the scheduled requests (after `move_blocks`). Each request's result depends
+        on its own inputs alone and its K/V writes are idempotent, so the engine may run
+        any subset of a step again (how it isolates a request that fails)."""
         # Decodes (one query token) first: attention batches them in one call.
         reqs = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)
         if not reqs:
@@ -120,7 +122,8 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _move_blocks(self, sched: SchedulerOutput) -> None:
+    @torch.inference_mode()
+    def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then copies."""
         if sched.blocks_to_swap_out:
             dev, host = zip(*sched.blocks_to_swap_out, strict=True)

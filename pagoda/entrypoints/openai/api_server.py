@@ -4,14 +4,19 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.
 
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
-400 for bad input (malformed JSON, missing or mistyped fields, values out of
-range, a prompt too long), 401 without the API key on /v1, 404 for an unknown
-model or route, 503 (with Retry-After) when the queue is full or the server is
-stopping. A client that goes away aborts its requests.
+400 for bad input (malformed JSON, unknown or mistyped fields, values the
+engine's front door refuses, a prompt too long), 401 without the API key on
+/v1, 404 for an unknown model or route, 413 for a body over
+`max_request_body_bytes`, 503 (with Retry-After) when the queue is full or the
+server is stopping. A client that goes away aborts its requests. A request that
+fails while running fails alone (400 if its input was the cause, else 500; in a
+stream, an error event).
 
 SIGTERM (or Ctrl-C): stop accepting, let in-flight requests finish for up to
 `shutdown_timeout` seconds, abort the rest (their streams end with
-finish_reason "abort"), exit 0.
+finish_reason "abort"), exit 0. If the engine dies, /health answers 503,
+in-flight requests end with an error and the process exits 1, so a supervisor
+restarts it.
 """
 
 from __future__ import annotations
@@ -47,12 +52,14 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagoda.entrypoints.openai.serving_engine import APIError, bad_request, param_of
+from pagoda.entrypoints.openai.serving_engine import APIError, bad_request, from_invalid
+from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
 
 def _error(status: int, message: str, type: str, param=None, code=None, headers=None):
@@ -95,6 +102,42 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodySizeLimitMiddleware:
+    """413 for a request body over `max_bytes`, by its Content-Length or, when it
+    is sent in chunks, as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise APIError(413, self._message(), code="request_too_large")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"The request body is larger than this server takes ({self.max_bytes} bytes)."
+
+    def _too_large(self) -> JSONResponse:
+        return _error(413, self._message(), "invalid_request_error", code="request_too_large")
+
+
 async def until_disconnected(raw_request: Request, work: Awaitable[Any]) -> Any:
     """Run `work`; if the client disconnects first, cancel it (which aborts its
     requests) and answer 499."""
@@ -128,19 +171,23 @@ def _install_error_handlers(app: FastAPI) -> None:
         param, parts = None, []
         for err in errors[:3]:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            where = ".".join(loc) or "body"
             if err.get("type") == "json_invalid":
                 parts.append(f"Malformed JSON in the request body: {err.get('msg')}")
                 continue
             if param is None and loc:
                 param = loc[0]
-            where = ".".join(loc) or "body"
-            parts.append(f"{where}: {err.get('msg')}")
+            if err.get("type") == "extra_forbidden":  # OpenAI's words for an unknown field
+                parts.append(f"Unrecognized request argument supplied: {where}")
+            else:
+                parts.append(f"{where}: {err.get('msg')}")
         message = "; ".join(parts) or "invalid request"
         return _error(400, message, "invalid_request_error", param)
 
-    @app.exception_handler(ValueError)
-    async def value_error(_: Request, e: ValueError):
-        return _error(400, str(e), "invalid_request_error", param_of(e))
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, e: InvalidRequestError):
+        error = from_invalid(e)
+        return JSONResponse(error.body(), error.status_code)
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_: Request, e: QueueFullError):
@@ -151,6 +198,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def not_accepting(_: Request, e: EngineNotAcceptingError):
         headers = {"Retry-After": "5"}
         return _error(503, str(e), "ServiceUnavailableError", None, "unavailable", headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError):
+        headers = {"Retry-After": "5"}
+        return _error(503, str(e), "ServiceUnavailableError", None, "engine_dead", headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
@@ -168,6 +220,7 @@ def build_app(
     served_model_names: Sequence[str] | None = None,
     api_key: str | None = None,
     owns_engine: bool = True,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app for `engine`. With `owns_engine`, the app's shutdown stops it."""
     names = list(served_model_names or [engine.model_name])
@@ -183,6 +236,7 @@ def build_app(
     app = FastAPI(title="pagoda", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     _install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -220,29 +274,36 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        response_id, model, prompts, params, streams = await completion.start(req)
+        run = await completion.start(req)
         if req.stream:
-            body = completion.stream_response(req, response_id, model, prompts, params, streams)
-            return SSEResponse(body, lambda: completion.abort_unfinished(streams))
-        work = completion.full_response(req, response_id, model, prompts, params, streams)
-        return await until_disconnected(raw_request, work)
+            body = completion.stream_response(run)
+            return SSEResponse(body, lambda: completion.abort_unfinished(run.streams))
+        return await until_disconnected(raw_request, completion.full_response(run))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        response_id, model, prompt, params, stream = await chat.start(req)
+        run = await chat.start(req)
         if req.stream:
-            body = chat.stream_response(req, response_id, model, prompt, params, stream)
-            return SSEResponse(body, lambda: chat.abort_unfinished([stream]))
-        work = chat.full_response(req, response_id, model, prompt, params, stream)
-        return await until_disconnected(raw_request, work)
+            body = chat.stream_response(run)
+            return SSEResponse(body, lambda: chat.abort_unfinished([run.stream]))
+        return await until_disconnected(raw_request, chat.full_response(run))
+
+    processor = engine.engine.processor  # its methods run on the processor thread
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         completion.check_model(req.model)
         if req.messages is not None:
-            _, tokens = chat.render(req.messages, req.add_generation_prompt)
+            _, tokens = await engine.run_in_processor(
+                processor.render_chat,
+                chat.conversation(req),
+                req.add_generation_prompt,
+                req.chat_template_kwargs,
+            )
         elif req.prompt is not None:
-            tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tokens = await engine.run_in_processor(
+                processor.tokenize, req.prompt, req.add_special_tokens
+            )
         else:
             raise bad_request("give either prompt or messages.", "prompt")
         return TokenizeResponse(
@@ -252,26 +313,37 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         completion.check_model(req.model)
-        completion.check_token_ids(req.tokens, "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+        text = await engine.run_in_processor(processor.detokenize, req.tokens)
+        return DetokenizeResponse(prompt=text)
 
     return app
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, with pagoda's graceful stop: on the first SIGTERM/SIGINT
-    refuse new requests and abort what is still running after `shutdown_timeout`
-    seconds; and exit normally afterwards instead of re-raising the signal."""
+    """uvicorn's server, with pagoda's stops:
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float):
+    - the first SIGTERM/SIGINT refuses new requests and aborts what is still running
+      after `shutdown_timeout` seconds; uvicorn then closes what is left
+      (`timeout_graceful_shutdown`), and the process exits 0 instead of re-raising
+      the signal;
+    - an engine that dies makes the server stop with exit code 1 (`engine_died`).
+    """
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float):
         super().__init__(config)
-        self.engine = engine
+        self.engine: AsyncEngine | None = None
         self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+
+    def engine_died(self, error: BaseException) -> None:  # from the engine thread
+        logger.error("pagoda serve: the engine died (%s); exiting with status 1", error)
+        self.exit_code = 1
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         first = not self.should_exit
         super().handle_exit(sig, frame)
-        if first:
+        if first and self.engine is not None:
             logger.info(
                 "pagoda serve: stopping; in-flight requests have %.0f s to finish",
                 self.shutdown_timeout,
@@ -296,13 +368,34 @@ class _Server(uvicorn.Server):
 
 
 def run_server(ns: argparse.Namespace, engine_args) -> int:
-    """`pagoda serve`: build the engine, serve until SIGTERM/SIGINT, return 0."""
+    """`pagoda serve`: build the engine, serve until SIGTERM/SIGINT (exit status 0) or
+    until the engine dies (1)."""
     names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     if ns.max_queue_len is not None and ns.max_queue_len < 0:
         raise ValueError(f"max_queue_len must be >= 0, got {ns.max_queue_len}.")
-    engine = AsyncEngine.from_engine_args(
-        engine_args, model_name=names[0], max_queue_len=ns.max_queue_len
+    if ns.max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {ns.max_request_body_bytes}.")
+    server = _Server(
+        uvicorn.Config(
+            None,
+            host=ns.host,
+            port=ns.port,
+            log_config=None,
+            access_log=not ns.disable_uvicorn_access_log,
+            timeout_keep_alive=5,
+            # After the in-flight requests' time is up and they were aborted, close
+            # whatever connection is still open rather than wait for it.
+            timeout_graceful_shutdown=max(1, int(ns.shutdown_timeout) + 5),
+        ),
+        ns.shutdown_timeout,
     )
+    engine = AsyncEngine.from_engine_args(
+        engine_args,
+        model_name=names[0],
+        max_queue_len=ns.max_queue_len,
+        on_dead=server.engine_died,
+    )
+    server.engine = engine
     stats = engine.get_stats()
     block_size = engine_args.block_size
     logger.info(
@@ -317,17 +410,14 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         ns.host,
         ns.port,
     )
-    app = build_app(engine, names, ns.api_key or envs.api_key())
-    config = uvicorn.Config(
-        app,
-        host=ns.host,
-        port=ns.port,
-        log_config=None,
-        access_log=not ns.disable_uvicorn_access_log,
-        timeout_keep_alive=5,
+    server.config.app = build_app(
+        engine,
+        names,
+        ns.api_key or envs.api_key(),
+        max_request_body_bytes=ns.max_request_body_bytes,
     )
     try:
-        _Server(config, engine, ns.shutdown_timeout).run()
+        server.run()
     finally:
         engine.shutdown(abort=True, timeout=10)
-    return 0
+    return server.exit_code

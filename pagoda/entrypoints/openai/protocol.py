@@ -1,15 +1,22 @@
 """Request and response bodies of the OpenAI API (and vLLM's extras), as pydantic models.
 
-Requests ignore unknown fields (as vLLM does), so clients that send newer
-OpenAI fields keep working; fields pagoda cannot honour are rejected in the
-serving code with a 400 that names them.
+Requests take only the fields listed here: an unknown one is a 400 naming it
+("Unrecognized request argument supplied", as OpenAI answers), never ignored.
+The models check types only; values are checked by the engine's front door
+(`Processor`). Fields pagoda accepts but cannot honour in every value are in
+each request's `SUPPORTED_ONLY`: another value is a 400 that says why.
+
+Accepted and without effect here: `user` (an end-user id for the provider's
+abuse monitoring), `metadata` (tags for stored completions, and nothing is
+stored), `service_tier` "auto"/"default", `parallel_tool_calls` (no tools).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -22,8 +29,13 @@ def now() -> int:
     return int(time.time())
 
 
+def only(*allowed: Any, why: str) -> tuple[Callable[[Any], bool], str]:
+    """A SUPPORTED_ONLY entry: the values pagoda takes, and why not others."""
+    return (lambda value: value in allowed), why
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # ---- errors -------------------------------------------------------------------
@@ -45,7 +57,7 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class UsageInfo(BaseModel):
@@ -62,11 +74,16 @@ class UsageInfo(BaseModel):
         )
 
 
+_NO_STRUCTURED = "structured outputs (guided decoding) are not supported yet"
+_NO_BEAM = "beam search is not supported; use n and temperature"
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -86,12 +103,35 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = (
-        True  # accepted for vLLM clients; fast tokenizers ignore it
-    )
+    spaces_between_special_tokens: bool = True
     priority: int = 0
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    return_tokens_as_token_ids: bool = False
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    SUPPORTED_ONLY: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "use_beam_search": only(False, why=_NO_BEAM),
+        "length_penalty": only(1.0, why=_NO_BEAM),
+        "spaces_between_special_tokens": only(
+            True, why="fast tokenizers always decode special tokens without added spaces"
+        ),
+        "return_tokens_as_token_ids": only(False, why="tokens are returned as text"),
+        "guided_json": only(None, why=_NO_STRUCTURED),
+        "guided_regex": only(None, why=_NO_STRUCTURED),
+        "guided_choice": only(None, why=_NO_STRUCTURED),
+        "guided_grammar": only(None, why=_NO_STRUCTURED),
+        "guided_decoding_backend": only(None, why=_NO_STRUCTURED),
+        "structured_outputs": only(None, why=_NO_STRUCTURED),
+    }
 
 
 # ---- /v1/completions ------------------------------------------------------------------
@@ -106,8 +146,14 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
     prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+
+    SUPPORTED_ONLY: ClassVar = {
+        **SamplingFields.SUPPORTED_ONLY,
+        "suffix": only(None, "", why="suffix (insertion) is not supported"),
+        "add_special_tokens": only(True, why="text prompts are tokenized as the model expects"),
+    }
 
 
 class CompletionLogprobs(BaseModel):
@@ -147,14 +193,9 @@ class CompletionResponse(BaseModel):
 # ---- /v1/chat/completions ---------------------------------------------------------------
 
 
-class TextPart(OpenAIModel):
-    type: str
-    text: str | None = None
-
-
 class ChatMessage(OpenAIModel):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[dict[str, Any]] | None = None  # text parts; checked by the Processor
     name: str | None = None
 
 
@@ -167,9 +208,53 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # vLLM's extras.
+    echo: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    SUPPORTED_ONLY: ClassVar = {
+        **SamplingFields.SUPPORTED_ONLY,
+        "response_format": (
+            lambda v: v is None or v.get("type", "text") == "text",
+            f"only response_format type 'text' is supported ({_NO_STRUCTURED})",
+        ),
+        "tools": only(None, [], why="tool calling is not supported yet"),
+        "tool_choice": only(None, "none", "auto", why="tool calling is not supported yet"),
+        "functions": only(None, [], why="function calling is not supported"),
+        "function_call": only(None, "none", "auto", why="function calling is not supported"),
+        "modalities": only(None, ["text"], why="only text output is supported"),
+        "audio": only(None, why="only text output is supported"),
+        "prediction": only(None, why="predicted outputs are not supported"),
+        "reasoning_effort": only(None, why="this is not a reasoning model"),
+        "web_search_options": only(None, why="web search is not supported"),
+        "store": only(None, False, why="pagoda stores nothing"),
+        "service_tier": only(None, "auto", "default", why="pagoda has one service tier"),
+        "echo": only(False, why="echoing the last message is not supported"),
+        "continue_final_message": only(False, why="continuing a final message is not supported"),
+        "add_special_tokens": only(
+            False, why="the chat template already places the special tokens"
+        ),
+        "chat_template": only(
+            None, why="the server uses the model's own chat template; a request cannot set one"
+        ),
+        "documents": only(None, why="documents (RAG templates) are not supported"),
+    }
 
 
 class TopLogprob(BaseModel):
@@ -255,6 +340,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -1,8 +1,8 @@
 """POST /v1/completions: one engine request per prompt, n completions each.
 
-Choice `index` is `prompt_index * n + completion_index`, as OpenAI and vLLM
-number them. Streaming sends one chunk per choice per engine step that
-produced text, then a usage chunk when asked, then `[DONE]`.
+Streaming sends one chunk per choice per engine step that produced text (the
+first carrying the echoed prompt when asked), then a usage chunk when asked,
+then `[DONE]`. A whole response gathers the same deltas.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagoda.engine.async_engine import EngineNotAcceptingError, RequestStream
+from pagoda.engine.async_engine import RequestStream
+from pagoda.engine.processor import PromptType
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -23,219 +24,198 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    Choice,
     OpenAIServing,
-    Prompt,
-    bad_request,
-    merge_streams,
+    choice_deltas,
+    failure_to_api_error,
     sse,
     sse_error,
 )
+from pagoda.errors import EngineDeadError, RequestFailedError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+RENAMES = {"prompt_token_ids": "prompt"}  # the front door's names -> this endpoint's
+
 
 @dataclass
-class _ChoiceState:
-    """What one choice has streamed so far."""
+class CompletionRun:
+    """An accepted request: what the response is built from."""
 
-    num_chars: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0  # for logprobs.text_offset
-    started: bool = False  # the first chunk (echo, prompt_logprobs) went out
-    finished: bool = False
+    req: CompletionRequest
+    response_id: str
+    model: str
+    params: SamplingParams
+    streams: list[RequestStream]
+
+
+def to_prompts(prompt: str | list) -> list[PromptType]:
+    """str | list[str] | list[int] | list[list[int]] -> the engine's prompts (the types
+    are the body model's; the Processor checks the values)."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [{"prompt_token_ids": prompt}]
+    return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def parse_prompts(self, prompt) -> list[Prompt]:
-        """str | list[str] | list[int] | list[list[int]] -> [(text or None, token ids)]."""
-        if isinstance(prompt, str):
-            items: list = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise bad_request("prompt must not be empty.", "prompt")
-        prompts: list[Prompt] = []
-        for item in items:
-            if isinstance(item, str):
-                token_ids = self.tokenizer.encode(item)  # as LLM.generate tokenizes
-                prompts.append((item, token_ids))
-            else:
-                self.check_token_ids(item, "prompt")
-                prompts.append((None, list(item)))
-            if not prompts[-1][1]:
-                raise bad_request("prompt must not be empty.", "prompt")
-        return prompts
-
-    async def start(self, req: CompletionRequest):
-        """Validate and add the request; returns (response id, model, prompts, params,
-        streams). Everything here that fails is the client's error (4xx)."""
+    async def start(self, req: CompletionRequest) -> CompletionRun:
+        """Check and add the request; everything that fails here is the client's (4xx)."""
         model = self.check_model(req.model)
-        if req.suffix:
-            raise bad_request("suffix is not supported.", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of is not supported (use n).", "best_of")
-        prompts = self.parse_prompts(req.prompt)
-        for _, token_ids in prompts:
-            self.check_length(len(token_ids), req.max_tokens, "prompt")
+        self.check_supported(req)
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = req.logprobs  # echoed prompt tokens get logprobs too
         params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
         response_id = random_id("cmpl")
-        streams = await self.add_requests(response_id, prompts, params, req.priority)
-        return response_id, model, prompts, params, streams
+        streams = await super().start(
+            response_id, to_prompts(req.prompt), params, req.priority, RENAMES
+        )
+        return CompletionRun(req, response_id, model, params, streams)
 
-    def _prompt_echo(self, prompt: Prompt, output: RequestOutput, params: SamplingParams):
-        """(text, logprobs) of the echoed prompt."""
-        text, token_ids = prompt
-        if text is None:
-            text = self.tokenizer.decode(token_ids)
+    async def _echo(self, output: RequestOutput, params: SamplingParams):
+        """(text, logprobs) of a prompt to echo before its completions."""
+        text = output.prompt
+        if text is None:  # token ids: decoded on the processor thread
+            text = await self.engine.run_in_processor(
+                self.tokenizer.decode, output.prompt_token_ids
+            )
         logprobs = None
         if params.logprobs is not None:
             logprobs = self.completion_logprobs(
-                token_ids, output.prompt_logprobs, params.logprobs, 0
+                output.prompt_token_ids, output.prompt_logprobs, params.logprobs, 0
             )
         return text, logprobs
 
-    def _choice_delta(
-        self,
-        state: _ChoiceState,
-        comp: CompletionOutput,
-        output: RequestOutput,
-        prompt: Prompt,
-        params: SamplingParams,
-        echo: bool,
-        stream: bool,
-    ) -> tuple[str, CompletionLogprobs | None]:
-        """The text (and logprobs) of `comp` not yet sent; advances `state`."""
-        finished = comp.finish_reason is not None
-        visible = (
-            comp.text  # the engine holds back a possible stop string
-            if stream
-            else comp.text
+    def _logprobs(self, delta: CompletionOutput, params: SamplingParams, text_offset: int):
+        if params.logprobs is None:
+            return None
+        return self.completion_logprobs(
+            delta.token_ids, delta.logprobs, params.logprobs, text_offset
         )
-        text = visible[state.num_chars :]
-        logprobs = None
-        if echo and not state.started:
-            prompt_text, logprobs = self._prompt_echo(prompt, output, params)
-            text = prompt_text + text
-            state.text_offset = len(prompt_text)
-        state.started = True
-        new_ids = comp.token_ids[state.num_tokens :]
-        if params.logprobs is not None:
-            positions = comp.logprobs[state.num_tokens :] if comp.logprobs is not None else None
-            new = self.completion_logprobs(new_ids, positions, params.logprobs, state.text_offset)
-            if logprobs is None:
-                logprobs = new
-            else:
-                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                    getattr(logprobs, name).extend(getattr(new, name))
-            state.text_offset = (
-                new.text_offset[-1] + len(new.tokens[-1]) if new_ids else state.text_offset
-            )
-        state.num_chars = len(visible)
-        state.num_tokens = len(comp.token_ids)
-        state.finished = finished
-        return text, logprobs
 
-    async def full_response(
-        self, req: CompletionRequest, response_id, model, prompts, params, streams
-    ) -> CompletionResponse:
-        created = now()
-        finals: dict[int, RequestOutput] = {}
+    async def full_response(self, run: CompletionRun) -> CompletionResponse:
+        created, params, req = now(), run.params, run.req
+        choices: dict[int, Choice] = {}
+        outputs: dict[int, RequestOutput] = {}
         try:
-            async for i, output in merge_streams(streams):
-                if output.finished:
-                    finals[i] = output
+            async for choice, _, output in choice_deltas(run.streams, params.n, keep_parts=True):
+                choices[choice.index] = choice
+                outputs.setdefault(choice.prompt_index, output)
+                if output.prompt_logprobs is not None:
+                    outputs[choice.prompt_index] = output  # the one that carries them
+        except (RequestFailedError, EngineDeadError) as e:
+            raise failure_to_api_error(e) from e
         finally:
-            self.abort_unfinished(streams)
-        choices = []
-        usage = UsageInfo()
-        for i, prompt in enumerate(prompts):
-            output = finals[i]
-            usage.prompt_tokens += len(output.prompt_token_ids)
-            for comp in sorted(output.outputs, key=lambda c: c.index):
-                text, logprobs = self._choice_delta(
-                    _ChoiceState(), comp, output, prompt, params, req.echo, stream=False
+            self.abort_unfinished(run.streams)
+        result = []
+        for index in sorted(choices):
+            choice = choices[index]
+            output = outputs[choice.prompt_index]
+            text, logprobs = choice.text, None
+            if params.logprobs is not None:
+                logprobs = self.completion_logprobs(
+                    choice.token_ids, choice.logprobs, params.logprobs, 0
                 )
-                usage.completion_tokens += len(comp.token_ids)
-                choices.append(
-                    CompletionChoice(
-                        index=i * params.n + comp.index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=comp.finish_reason,
-                        stop_reason=comp.stop_reason,
-                        prompt_logprobs=self.prompt_logprobs(output)
-                        if req.prompt_logprobs is not None
-                        else None,
-                    )
+            if req.echo:
+                prompt_text, prompt_logprobs = await self._echo(output, params)
+                text = prompt_text + text
+                if logprobs is not None:
+                    logprobs = _shifted(prompt_logprobs, logprobs, len(prompt_text))
+            result.append(
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                    prompt_logprobs=self.prompt_logprobs(output)
+                    if req.prompt_logprobs is not None
+                    else None,
                 )
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            )
+        num_prompt = sum(len(o.prompt_token_ids) for o in outputs.values())
+        usage = UsageInfo.of(num_prompt, sum(c.num_tokens for c in choices.values()))
         return CompletionResponse(
-            id=response_id, created=created, model=model, choices=choices, usage=usage
+            id=run.response_id, created=created, model=run.model, choices=result, usage=usage
         )
 
-    async def stream_response(
-        self,
-        req: CompletionRequest,
-        response_id: str,
-        model: str,
-        prompts: list[Prompt],
-        params: SamplingParams,
-        streams: list[RequestStream],
-    ) -> AsyncIterator[str]:
-        created = now()
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        states: dict[int, _ChoiceState] = {}
-        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+    async def stream_response(self, run: CompletionRun) -> AsyncIterator[str]:
+        created, params, req = now(), run.params, run.req
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
+        prompt_lens: dict[int, int] = {}
+        text_offsets: dict[int, int] = {}
+        num_tokens = 0
 
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        def usage() -> UsageInfo:
+            return UsageInfo.of(sum(prompt_lens.values()), num_tokens)
+
+        def chunk(choices: list[CompletionChoice], final_usage: UsageInfo | None = None) -> str:
             body = CompletionResponse(
-                id=response_id, created=created, model=model, choices=choices, usage=usage
+                id=run.response_id,
+                created=created,
+                model=run.model,
+                choices=choices,
+                usage=final_usage or (usage() if continuous_usage else None),
             ).model_dump()
-            if not include_usage:
+            if not (include_usage or continuous_usage):
                 del body["usage"]
             return sse(body)
 
         try:
-            async for i, output in merge_streams(streams):
-                for comp in output.outputs:
-                    index = i * params.n + comp.index
-                    state = states.setdefault(index, _ChoiceState())
-                    if state.finished:
-                        continue
-                    had_tokens, first = state.num_tokens, not state.started
-                    text, logprobs = self._choice_delta(
-                        state, comp, output, prompts[i], params, req.echo, stream=True
-                    )
-                    new_tokens = state.num_tokens > had_tokens and params.logprobs is not None
-                    if not (text or state.finished or new_tokens):
-                        state.started = not first  # nothing sent yet: still the first chunk
-                        continue
-                    choice = CompletionChoice(
-                        index=index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=comp.finish_reason,
-                        stop_reason=comp.stop_reason,
-                        prompt_logprobs=self.prompt_logprobs(output)
-                        if first and req.prompt_logprobs is not None
-                        else None,
-                    )
-                    yield chunk([choice])
+            async for choice, delta, output in choice_deltas(run.streams, params.n, False):
+                prompt_lens[choice.prompt_index] = len(output.prompt_token_ids)
+                num_tokens += len(delta.token_ids)
+                text, offset = delta.text, text_offsets.get(choice.index, 0)
+                logprobs = self._logprobs(delta, params, offset)
+                first = not choice.started
+                if first and req.echo:
+                    prompt_text, prompt_logprobs = await self._echo(output, params)
+                    text = prompt_text + text
+                    if logprobs is not None:
+                        logprobs = _shifted(prompt_logprobs, logprobs, len(prompt_text))
+                if logprobs is not None and logprobs.tokens:
+                    text_offsets[choice.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                if not (text or delta.finish_reason or (logprobs and logprobs.tokens)):
+                    continue
+                choice.started = True
+                yield chunk(
+                    [
+                        CompletionChoice(
+                            index=choice.index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=delta.finish_reason,
+                            stop_reason=delta.stop_reason,
+                            prompt_logprobs=self.prompt_logprobs(output)
+                            if first and req.prompt_logprobs is not None
+                            else None,
+                        )
+                    ]
+                )
             if include_usage:
-                completion_tokens = sum(s.num_tokens for s in states.values())
-                usage = UsageInfo.of(num_prompt_tokens, completion_tokens)
-                yield chunk([], usage)
+                yield chunk([], usage())
             yield SSE_DONE
-        except EngineNotAcceptingError as e:
-            logger.error("completion stream %s failed: %s", response_id, e)
-            yield sse_error(str(e))
+        except (RequestFailedError, EngineDeadError) as e:
+            logger.error("completion stream %s failed: %s", run.response_id, e)
+            yield sse_error(failure_to_api_error(e))
             yield SSE_DONE
         finally:
-            self.abort_unfinished(streams)
+            self.abort_unfinished(run.streams)
+
+
+def _shifted(
+    prompt: CompletionLogprobs | None, completion: CompletionLogprobs, shift: int
+) -> CompletionLogprobs:
+    """The echoed prompt's logprobs, then the completion's with offsets moved past it."""
+    out = prompt or CompletionLogprobs()
+    out.tokens += completion.tokens
+    out.token_logprobs += completion.token_logprobs
+    out.top_logprobs += completion.top_logprobs
+    out.text_offset += [o + shift for o in completion.text_offset]
+    return out

@@ -1,33 +1,37 @@
-"""What /v1/completions and /v1/chat/completions share: errors, sampling
-parameters, length checks, adding requests all-or-nothing, merging streams,
-logprobs in OpenAI's two shapes, and the SSE framing."""
+"""What /v1/completions and /v1/chat/completions share: errors, turning a body into
+SamplingParams, adding requests all-or-nothing through the engine's front door,
+the one path that turns the engine's delta outputs into per-choice deltas (for
+streamed and whole responses alike), logprobs in OpenAI's two shapes, SSE framing.
+
+Nothing here checks a value: the `Processor` does (on its own thread), and its
+`InvalidRequestError` becomes a 400 whose `param` is the body's field name.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-import re
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.async_engine import AsyncEngine, RequestStream
+from pagoda.engine.async_engine import AsyncEngine, ProcessedRequest, RequestStream
+from pagoda.engine.processor import PromptType
 from pagoda.entrypoints.openai.protocol import (
     CompletionLogprobs,
     ErrorInfo,
     ErrorResponse,
+    OpenAIModel,
     PromptLogprob,
     SamplingFields,
     TokenLogprob,
     TopLogprob,
 )
-from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import SamplingParams
-
-# A prompt after tokenization: (its text, if it came as text; its token ids).
-Prompt = tuple[str | None, list[int]]
-
-_FIELD = re.compile(r"^([a-z_]+)\b")
+from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 
 class APIError(Exception):
@@ -59,13 +63,27 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def param_of(error: ValueError, renames: dict[str, str] | None = None) -> str | None:
-    """pagoda's ValueErrors start with the field name; that is OpenAI's `param`."""
-    match = _FIELD.match(str(error))
-    if match is None:
-        return None
-    name = match.group(1)
-    return (renames or {}).get(name, name)
+def from_invalid(error: InvalidRequestError, renames: dict[str, str] | None = None) -> APIError:
+    """The front door's error as a 400 naming the body's field (SamplingParams and
+    prompt names mapped to the endpoint's, e.g. logprobs -> top_logprobs for chat)."""
+    param = (renames or {}).get(error.param, error.param)
+    message = error.message
+    if param != error.param and message.startswith(error.param):
+        message = param + message[len(error.param) :]
+    return bad_request(message, param, error.code)
+
+
+def failure_to_api_error(error: BaseException) -> APIError:
+    """What a client sees of a request that failed after it was accepted."""
+    if isinstance(error, RequestFailedError):
+        if error.client_error:
+            return bad_request(str(error), code="request_failed")
+        return APIError(500, str(error), "InternalServerError", code="request_failed")
+    if isinstance(error, EngineDeadError):
+        return APIError(
+            500, f"the engine stopped: {error}", "InternalServerError", code="engine_dead"
+        )
+    raise error
 
 
 def safe_logprob(value: float) -> float:
@@ -78,14 +96,90 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(message: str) -> str:
+def sse_error(error: APIError) -> str:
     """An error event inside a stream that has already answered 200."""
-    return sse(
-        {"error": {"message": message, "type": "InternalServerError", "param": None, "code": None}}
-    )
+    return sse(error.body())
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """One choice of a response (completion `index` of prompt `prompt_index`), as its
+    deltas arrive. Whole responses keep the parts; streams only count."""
+
+    index: int
+    prompt_index: int
+    keep_parts: bool
+    num_tokens: int = 0
+    started: bool = False  # a first chunk went out (streams: echo, role)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+async def choice_deltas(
+    streams: list[RequestStream], n: int, keep_parts: bool
+) -> AsyncIterator[tuple[Choice, CompletionOutput, RequestOutput]]:
+    """The one path from engine outputs to responses: (choice, its delta, the output it
+    came in) as deltas arrive from every prompt's stream. Choice indices are
+    `prompt_index * n + completion_index`, as OpenAI and vLLM number them."""
+    choices: dict[int, Choice] = {}
+    async for i, output in merge_streams(streams):
+        for delta in output.outputs:
+            index = i * n + delta.index
+            choice = choices.get(index)
+            if choice is None:
+                choice = choices[index] = Choice(index, i, keep_parts)
+            choice.num_tokens += len(delta.token_ids)
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            if keep_parts:
+                choice.text_parts.append(delta.text)
+                choice.token_ids += delta.token_ids
+                choice.logprobs += delta.logprobs or []
+            yield choice, delta, output
+
+
+async def merge_streams(
+    streams: list[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come. The caller
+    aborts unfinished requests when it stops early."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class OpenAIServing:
@@ -94,13 +188,12 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = int(engine.model_config.hf_config["vocab_size"])
+        self.processor = engine.engine.processor
+        self.tokenizer = self.processor.tokenizer  # the processor's own copy
         self.generation_defaults = dict(engine.model_config.generation_defaults)
         self._token_text: dict[int, str] = {}
 
-    # ---- request checks -----------------------------------------------------------
+    # ---- request checks that are the protocol's, not the engine's --------------------
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -115,25 +208,25 @@ class OpenAIServing:
             "model_not_found",
         )
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str):
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
+    def check_supported(self, req: OpenAIModel) -> None:
+        """A 400 for a field set to a value pagoda does not honour (see SUPPORTED_ONLY)."""
+        for name, (ok, why) in type(req).SUPPORTED_ONLY.items():
+            value = getattr(req, name)
+            if not ok(value):
+                raise bad_request(
+                    f"{name}={json.dumps(value)[:80]} is not supported: {why}.",
+                    name,
+                    "unsupported_value",
+                )
+        best_of = getattr(req, "best_of", None)
+        if best_of is not None and best_of != req.n:
             raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"{prompt_param} is {num_prompt_tokens} tokens long, which leaves no room for "
-                "a completion. Please shorten it.",
-                prompt_param,
-                "context_length_exceeded",
+                "best_of is not supported (use n): it must be unset or equal to n.",
+                "best_of",
+                "unsupported_value",
             )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of "
-                f"the {prompt_param} or the completion.",
-                "max_tokens",
-                "context_length_exceeded",
-            )
+
+    # ---- requests ------------------------------------------------------------------
 
     def sampling_params(
         self,
@@ -141,96 +234,72 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
-        renames: dict[str, str] | None = None,
     ) -> SamplingParams:
-        """The request's SamplingParams; a bad value is a 400 naming its field.
-
-        Unset temperature/top_p/top_k/min_p fall back to the model's
-        generation_config, then to OpenAI's defaults (as vLLM does).
-        """
+        """The body's SamplingParams, as sent (the Processor checks them). Unset
+        temperature/top_p/top_k/min_p/repetition_penalty fall back to the model's
+        generation_config, then to OpenAI's defaults (as vLLM does)."""
         defaults = self.generation_defaults
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(req, name)
             return value if value is not None else defaults.get(name, fallback)
 
-        logit_bias = None
-        if req.logit_bias:
-            logit_bias = {}
-            for key, bias in req.logit_bias.items():
-                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
-                    raise bad_request(
-                        f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}.",
-                        "logit_bias",
-                    )
-                if not -100.0 <= bias <= 100.0:
-                    raise bad_request(
-                        f"logit_bias values must be in [-100, 100], got {bias}.", "logit_bias"
-                    )
-                logit_bias[int(key)] = bias
-        top_k = pick("top_k", -1)
-        try:
-            return SamplingParams(
-                n=req.n,
-                temperature=pick("temperature", 1.0),
-                top_p=pick("top_p", 1.0),
-                top_k=-1 if top_k == 0 else top_k,  # vLLM: 0 also disables
-                min_p=pick("min_p", 0.0),
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=pick("repetition_penalty", 1.0),
-                logit_bias=logit_bias,
-                seed=req.seed,
-                max_tokens=max_tokens,
-                min_tokens=req.min_tokens,
-                stop=req.stop,
-                stop_token_ids=req.stop_token_ids,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                ignore_eos=req.ignore_eos,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                allowed_token_ids=req.allowed_token_ids,
-                bad_words=req.bad_words,
-                skip_special_tokens=req.skip_special_tokens,
-            )
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e), param_of(ValueError(str(e)), renames)) from e
+        return SamplingParams(
+            n=req.n,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias=req.logit_bias,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop or [],
+            stop_token_ids=req.stop_token_ids or [],
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
+            skip_special_tokens=req.skip_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            output_kind=RequestOutputKind.DELTA,
+        )
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(
-                f"{param} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.",
-                param,
-            )
-
-    # ---- running requests ---------------------------------------------------------------
-
-    async def add_requests(
-        self, base_id: str, prompts: list[Prompt], params: SamplingParams, priority: int
+    async def start(
+        self,
+        base_id: str,
+        prompts: list[PromptType],
+        params: SamplingParams,
+        priority: int,
+        renames: dict[str, str] | None = None,
     ) -> list[RequestStream]:
-        """Add one engine request per prompt, all or nothing (queued in one go)."""
+        """One engine request per prompt, all or nothing: every prompt goes through the
+        front door on the processor thread (a bad one is a 400 naming its field), then
+        all are queued in one operation."""
         self.engine.check_capacity(len(prompts))
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
-        coros = []
-        for request_id, (text, token_ids) in zip(ids, prompts, strict=True):
-            prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
-            if text is not None:
-                prompt["prompt"] = text
-            coros.append(self.engine.add_request(request_id, prompt, params, priority))
+        arrival = time.monotonic()
+
+        def process_all() -> list[ProcessedRequest]:
+            self.processor.check_num_prompts(len(prompts))
+            out = []
+            for request_id, prompt in zip(ids, prompts, strict=True):
+                children, text = self.processor.process(
+                    request_id, prompt, params, priority, arrival
+                )
+                out.append(ProcessedRequest(request_id, children, text))
+            return out
+
         try:
-            results = await asyncio.gather(*coros, return_exceptions=True)
-        except asyncio.CancelledError:
-            self.engine.abort(ids)
-            raise
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            self.engine.abort(ids)
-            error = errors[0]
-            if isinstance(error, ValueError):
-                raise bad_request(str(error), param_of(error)) from error
-            raise error
-        return list(results)
+            processed = await self.engine.run_in_processor(process_all)
+        except InvalidRequestError as e:
+            raise from_invalid(e, renames) from e
+        return await self.engine.add_processed(processed)
 
     def abort_unfinished(self, streams: list[RequestStream]) -> None:
         ids = [s.request_id for s in streams if not s.finished]
@@ -323,38 +392,3 @@ def _top(position: dict, num_top: int, always: int | None = None) -> list[tuple[
     """The position's top-`num_top` entries by logprob (plus `always`), best first."""
     ranked = sorted(position.items(), key=lambda kv: kv[1].logprob, reverse=True)
     return [(t, lp) for i, (t, lp) in enumerate(ranked) if i < num_top or t == always]
-
-
-async def merge_streams(
-    streams: list[RequestStream],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams as they come. The caller
-    aborts unfinished requests when it stops early."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((i, output))
-        except Exception as e:
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
