@@ -110,10 +110,12 @@ class RequestStream:
         request_id: str,
         loop: asyncio.AbstractEventLoop,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        num_prompt_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.loop = loop
         self.output_kind = output_kind
+        self.num_prompt_tokens = num_prompt_tokens
         self.finished = False
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
@@ -280,7 +282,12 @@ class AsyncEngine:
         self.check_capacity(len(requests))
         loop = asyncio.get_running_loop()
         streams = [
-            RequestStream(r.request_id, loop, r.children[0].sampling_params.output_kind)
+            RequestStream(
+                r.request_id,
+                loop,
+                r.children[0].sampling_params.output_kind,
+                r.children[0].num_prompt_tokens,
+            )
             for r in requests
         ]
         op = AddRequests(requests, streams, loop.create_future())
@@ -408,13 +415,17 @@ class AsyncEngine:
                 stopping = self._stopping
             sends: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any, Any]]] = {}
             num_adds = 0
-            for op in ops:
-                num_adds += self._apply(op, sends)
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                self.num_steps += 1
-                for output in outputs:
-                    self._send_output(output, sends)
+            try:
+                for op in ops:
+                    num_adds += self._apply(op, sends)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self.num_steps += 1
+                    for output in outputs:
+                        self._send_output(output, sends)
+            except BaseException:
+                _post(sends)  # what this round already decided goes out before the failure
+                raise
             busy = engine.has_unfinished_requests()
             stats = engine.get_stats()
             with self._cond:

@@ -153,7 +153,9 @@ class LLMEngine:
         """Run the step; if it raises, run halves of it again (recursively) to find the
         requests that fail on their own. Returns (merged output, child id -> error)."""
         try:
-            return self.model_runner.execute_model(sched), {}
+            output = self.model_runner.execute_model(sched)
+            self._num_failed_steps = 0
+            return output, {}
         except Exception as e:
             if len(sched.scheduled) > 1:
                 logger.warning(

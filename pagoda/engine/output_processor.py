@@ -281,6 +281,9 @@ class OutputProcessor:
             for c in state.completions:
                 if c.finish_reason is not None:
                     self.child_to_parent.pop(c.child_id, None)
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
             for c in state.completions:
                 c.add_delta_to_totals()
             output = state.to_output()
@@ -288,8 +291,7 @@ class OutputProcessor:
                 outputs.append(output)
             for c in state.completions:
                 c.clear_delta()
-            if state.finished:
-                state.metrics.finished_time = now
+            if finished:
                 stats.finished_requests.append(state.finished_stats())
                 del self.states[state.request_id]
         return outputs

@@ -89,11 +89,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def full_response(self, run: ChatRun) -> ChatCompletionResponse:
         created, params = now(), run.params
-        choices, num_prompt = {}, 0
+        choices = {}
         try:
-            async for choice, _, output in choice_deltas([run.stream], params.n, keep_parts=True):
+            async for choice, _, _ in choice_deltas([run.stream], params.n, keep_parts=True):
                 choices[choice.index] = choice
-                num_prompt = len(output.prompt_token_ids)
         except (RequestFailedError, EngineDeadError) as e:
             raise failure_to_api_error(e) from e
         finally:
@@ -108,7 +107,8 @@ class OpenAIServingChat(OpenAIServing):
             )
             for c in sorted(choices.values(), key=lambda c: c.index)
         ]
-        usage = UsageInfo.of(num_prompt, sum(c.num_tokens for c in choices.values()))
+        num_completion = sum(c.num_tokens for c in choices.values())
+        usage = UsageInfo.of(run.stream.num_prompt_tokens, num_completion)
         return ChatCompletionResponse(
             id=run.response_id, created=created, model=run.model, choices=result, usage=usage
         )
@@ -118,7 +118,7 @@ class OpenAIServingChat(OpenAIServing):
         options = req.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
-        num_prompt = num_tokens = 0
+        num_prompt, num_tokens = run.stream.num_prompt_tokens, 0
 
         def chunk(choices: list[ChatChunkChoice], final_usage: UsageInfo | None = None) -> str:
             usage = final_usage or (
@@ -137,8 +137,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(params.n):
                 role = DeltaMessage(role="assistant", content="")
                 yield chunk([ChatChunkChoice(index=i, delta=role)])
-            async for choice, delta, output in choice_deltas([run.stream], params.n, False):
-                num_prompt = len(output.prompt_token_ids)
+            async for choice, delta, _ in choice_deltas([run.stream], params.n, False):
                 num_tokens += len(delta.token_ids)
                 logprobs = self._logprobs(delta.token_ids, delta.logprobs, params)
                 if not (delta.text or delta.finish_reason or (logprobs and logprobs.content)):

@@ -137,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     else None,
                 )
             )
-        num_prompt = sum(len(o.prompt_token_ids) for o in outputs.values())
+        num_prompt = sum(s.num_prompt_tokens for s in run.streams)
         usage = UsageInfo.of(num_prompt, sum(c.num_tokens for c in choices.values()))
         return CompletionResponse(
             id=run.response_id, created=created, model=run.model, choices=result, usage=usage
@@ -148,12 +148,12 @@ class OpenAIServingCompletion(OpenAIServing):
         options = req.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
-        prompt_lens: dict[int, int] = {}
+        num_prompt = sum(s.num_prompt_tokens for s in run.streams)
         text_offsets: dict[int, int] = {}
         num_tokens = 0
 
         def usage() -> UsageInfo:
-            return UsageInfo.of(sum(prompt_lens.values()), num_tokens)
+            return UsageInfo.of(num_prompt, num_tokens)
 
         def chunk(choices: list[CompletionChoice], final_usage: UsageInfo | None = None) -> str:
             body = CompletionResponse(
@@ -169,7 +169,6 @@ class OpenAIServingCompletion(OpenAIServing):
 
         try:
             async for choice, delta, output in choice_deltas(run.streams, params.n, False):
-                prompt_lens[choice.prompt_index] = len(output.prompt_token_ids)
                 num_tokens += len(delta.token_ids)
                 text, offset = delta.text, text_offsets.get(choice.index, 0)
                 logprobs = self._logprobs(delta, params, offset)
