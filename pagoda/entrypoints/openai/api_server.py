@@ -118,18 +118,25 @@ class BodySizeLimitMiddleware:
         if not length.isdigit() or int(length) > self.max_bytes:
             await self._too_large()(scope, receive, send)
             return
-        received = 0
+        received, too_large = 0, False
 
         async def limited_receive():
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise APIError(413, self._message(), code="request_too_large")
+                    too_large = True  # the app sees a client that left, and answers no one
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message) -> None:
+            if not too_large:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+        if too_large:
+            await self._too_large()(scope, receive, send)
 
     def _message(self) -> str:
         return f"The request body is larger than this server takes ({self.max_bytes} bytes)."

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.async_engine import AsyncEngine, ProcessedRequest, RequestStream
-from pagoda.engine.processor import PromptType
+from pagoda.engine.processor import PromptType, check_all_text, check_text
 from pagoda.entrypoints.openai.protocol import (
     CompletionLogprobs,
     ErrorInfo,
@@ -55,8 +55,19 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        info = ErrorInfo(
+            message=_printable(self.message),
+            type=self.type,
+            param=None if self.param is None else _printable(self.param),
+            code=self.code,
+        )
         return ErrorResponse(error=info).model_dump()
+
+
+def _printable(text: str) -> str:
+    """Text that encodes as UTF-8: a lone surrogate a client sent (say, in an unknown
+    field's name) shows as \\udXXX instead of breaking the error response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -197,6 +208,11 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
+        if model is not None:
+            try:
+                check_text(model, "model")
+            except InvalidRequestError as e:
+                raise from_invalid(e) from e
         if model is None or model in self.served_model_names:
             return self.served_model_names[0] if model is None else model
         raise APIError(
@@ -218,6 +234,11 @@ class OpenAIServing:
                     name,
                     "unsupported_value",
                 )
+        for name in ("user", "metadata"):  # accepted without effect, but still text
+            try:
+                check_all_text(getattr(req, name, None), name)
+            except InvalidRequestError as e:
+                raise from_invalid(e) from e
         best_of = getattr(req, "best_of", None)
         if best_of is not None and best_of != req.n:
             raise bad_request(
