@@ -31,10 +31,10 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
+    StreamUsage,
     bad_request,
     choice_deltas,
     failure_to_api_error,
-    sse,
     sse_error,
 )
 from pagoda.errors import EngineDeadError, RequestFailedError
@@ -114,31 +114,23 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def stream_response(self, run: ChatRun) -> AsyncIterator[str]:
-        created, params, req = now(), run.params, run.req
-        options = req.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous_usage = bool(options and options.continuous_usage_stats)
-        num_prompt, num_tokens = run.stream.num_prompt_tokens, 0
+        created, params = now(), run.params
+        usage = StreamUsage.of(run.req, run.stream.num_prompt_tokens)
 
-        def chunk(choices: list[ChatChunkChoice], final_usage: UsageInfo | None = None) -> str:
-            usage = final_usage or (
-                UsageInfo.of(num_prompt, num_tokens) if continuous_usage else None
-            )
+        def chunk(choices: list[ChatChunkChoice], last: bool = False) -> str:
             body = ChatCompletionChunk(
-                id=run.response_id, created=created, model=run.model, choices=choices, usage=usage
+                id=run.response_id, created=created, model=run.model, choices=choices
             ).model_dump()
             for choice in body["choices"]:  # a delta holds only what changed
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-            if not (include_usage or continuous_usage):
-                del body["usage"]
-            return sse(body)
+            return usage.event(body, last)
 
         try:
             for i in range(params.n):
                 role = DeltaMessage(role="assistant", content="")
                 yield chunk([ChatChunkChoice(index=i, delta=role)])
             async for choice, delta, _ in choice_deltas([run.stream], params.n, False):
-                num_tokens += len(delta.token_ids)
+                usage.num_completion_tokens += len(delta.token_ids)
                 logprobs = self._logprobs(delta.token_ids, delta.logprobs, params)
                 if not (delta.text or delta.finish_reason or (logprobs and logprobs.content)):
                     continue
@@ -153,8 +145,8 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     ]
                 )
-            if include_usage:
-                yield chunk([], UsageInfo.of(num_prompt, num_tokens))
+            if usage.in_last_chunk:
+                yield chunk([], last=True)
             yield SSE_DONE
         except (RequestFailedError, EngineDeadError) as e:
             logger.error("chat stream %s failed: %s", run.response_id, e)

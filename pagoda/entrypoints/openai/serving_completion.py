@@ -26,9 +26,9 @@ from pagoda.entrypoints.openai.serving_engine import (
     SSE_DONE,
     Choice,
     OpenAIServing,
+    StreamUsage,
     choice_deltas,
     failure_to_api_error,
-    sse,
     sse_error,
 )
 from pagoda.errors import EngineDeadError, RequestFailedError
@@ -145,31 +145,18 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def stream_response(self, run: CompletionRun) -> AsyncIterator[str]:
         created, params, req = now(), run.params, run.req
-        options = req.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous_usage = bool(options and options.continuous_usage_stats)
-        num_prompt = sum(s.num_prompt_tokens for s in run.streams)
+        usage = StreamUsage.of(req, sum(s.num_prompt_tokens for s in run.streams))
         text_offsets: dict[int, int] = {}
-        num_tokens = 0
 
-        def usage() -> UsageInfo:
-            return UsageInfo.of(num_prompt, num_tokens)
-
-        def chunk(choices: list[CompletionChoice], final_usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[CompletionChoice], last: bool = False) -> str:
             body = CompletionResponse(
-                id=run.response_id,
-                created=created,
-                model=run.model,
-                choices=choices,
-                usage=final_usage or (usage() if continuous_usage else None),
+                id=run.response_id, created=created, model=run.model, choices=choices
             ).model_dump()
-            if not (include_usage or continuous_usage):
-                del body["usage"]
-            return sse(body)
+            return usage.event(body, last)
 
         try:
             async for choice, delta, output in choice_deltas(run.streams, params.n, False):
-                num_tokens += len(delta.token_ids)
+                usage.num_completion_tokens += len(delta.token_ids)
                 text, offset = delta.text, text_offsets.get(choice.index, 0)
                 logprobs = self._logprobs(delta, params, offset)
                 first = not choice.started
@@ -197,8 +184,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         )
                     ]
                 )
-            if include_usage:
-                yield chunk([], usage())
+            if usage.in_last_chunk:
+                yield chunk([], last=True)
             yield SSE_DONE
         except (RequestFailedError, EngineDeadError) as e:
             logger.error("completion stream %s failed: %s", run.response_id, e)

@@ -28,6 +28,7 @@ from pagoda.entrypoints.openai.protocol import (
     SamplingFields,
     TokenLogprob,
     TopLogprob,
+    UsageInfo,
 )
 from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -113,6 +114,35 @@ def sse_error(error: APIError) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class StreamUsage:
+    """A stream's token counts, and where its `stream_options` want them: in a last
+    chunk (`include_usage`), in every chunk (`continuous_usage_stats`), or nowhere."""
+
+    num_prompt_tokens: int
+    in_last_chunk: bool
+    in_every_chunk: bool
+    num_completion_tokens: int = 0
+
+    @classmethod
+    def of(cls, req: SamplingFields, num_prompt_tokens: int) -> StreamUsage:
+        options = req.stream_options
+        return cls(
+            num_prompt_tokens,
+            bool(options and options.include_usage),
+            bool(options and options.continuous_usage_stats),
+        )
+
+    def event(self, body: dict[str, Any], last: bool = False) -> str:
+        """The SSE event for a chunk's body, with its usage as asked."""
+        if last or self.in_every_chunk:
+            usage = UsageInfo.of(self.num_prompt_tokens, self.num_completion_tokens)
+            body["usage"] = usage.model_dump()
+        elif not self.in_last_chunk:
+            del body["usage"]
+        return sse(body)
 
 
 @dataclass
