@@ -4,6 +4,9 @@ graceful SIGTERM (every request answered, exit code 0)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import socket
 import time
 
 import httpx
@@ -140,5 +143,32 @@ def test_sigterm_finishes_or_aborts_in_flight_and_exits_0(tiny_llama):
         assert server.proc.wait(60) == 0, server.output()
         assert results[1::2] == ["length"] * 8  # the short ones finished
         assert results[0::2] == ["abort"] * 8  # the long ones were cut at the timeout
+    finally:
+        server.stop()
+
+
+def test_sigterm_ends_the_process_even_with_a_client_that_never_reads(tiny_llama):
+    """A client that sends a long streaming request and then neither reads nor hangs up
+    cannot keep the server alive past its shutdown timeout (plus uvicorn's grace)."""
+    server = RemoteServer(tiny_llama, "--served-model-name", "tiny", "--shutdown-timeout", "1")
+    try:
+        # About 9 MB of events: far more than the socket buffers hold, so the server's
+        # writes wait for a reader that never comes.
+        body = json.dumps(
+            {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True, "n": 64}
+        ).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            time.sleep(2)  # streaming into a socket nobody reads
+            start = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(30) == 0
+            assert time.monotonic() - start < 15  # 1 s of grace, then uvicorn's 5 s, then out
     finally:
         server.stop()
