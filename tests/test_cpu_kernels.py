@@ -73,3 +73,24 @@ def test_fused_norm_and_rotary_match_the_pytorch_layers(dtype):
     assert torch.equal(qk, want)
     with pytest.raises(RuntimeError, match="position out of range"):
         module.rotary_embedding(qk, torch.full((37,), 4096), rotary.cos, rotary.sin)
+
+
+def test_bf16_linear_pads_rows_to_a_few_shapes():
+    """Past small_gemm's rows, the CPU backend's bf16 linear pads M to a bucket (oneDNN
+    keeps a compiled kernel per distinct M); the rows kept are the product of x alone."""
+    from pagoda.ops.cpu import bucket_rows, cpu_ops
+
+    sizes = [bucket_rows(m) for m in range(1, 4097)]
+    assert all(m <= b <= m * 1.125 + 7 for m, b in zip(range(1, 4097), sizes, strict=True))
+    assert sizes == sorted(sizes) and len(set(sizes)) <= 60
+    ops = cpu_ops(torch.bfloat16) if cpu.load() is not None else None
+    if ops is None:
+        pytest.skip("no C++ toolchain")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    for m in (9, 37, 100, 300):
+        x = torch.randn(m, 64, generator=g).bfloat16()
+        got = ops.linear(x, w, None)
+        exact = torch.nn.functional.linear(x.double(), w.double())
+        assert got.shape == (m, 96)
+        torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-2)

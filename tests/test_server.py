@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import httpx
 import openai
@@ -544,3 +546,20 @@ def test_non_streaming_client_that_leaves_aborts(server):
     key = ("pagoda:request_success_total", (("finished_reason", "abort"),))
     assert after[key] == before[key] + 1
     assert after[("pagoda:num_blocks_used", ())] == 0
+
+
+def test_a_huge_prompt_does_not_stall_the_server(server):
+    """Tokenizing runs on the processor thread, not the event loop: while a 6 MB prompt
+    is being tokenized, /health answers; then the prompt gets its 400 for length."""
+    big = {"model": "tiny", "prompt": "The quick brown fox jumps. " * 240_000}
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(r=server.post("/v1/completions", json=big))
+    )
+    thread.start()
+    time.sleep(0.5)  # sent and parsed; tokenizing takes seconds
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    assert thread.is_alive()  # answered while the big prompt was still being tokenized
+    thread.join(120)
+    error = _error(result["r"], 400, "prompt")
+    assert error["code"] == "context_length_exceeded"

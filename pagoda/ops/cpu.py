@@ -60,6 +60,18 @@ def load():
 SMALL_GEMM_MAX_ROWS = 8
 
 
+def bucket_rows(num_rows: int) -> int:
+    """`num_rows` rounded up to one of a few dozen sizes (at most 12.5% more, plus 7).
+
+    oneDNN compiles a bf16 GEMM kernel for every distinct M it sees and keeps it: a
+    server whose steps have ever-new token counts grew by 0.7 MiB per new M and
+    weight shape (measured: 1,500 distinct M on one 1536x576 weight, +1 GiB RSS;
+    bucketed, +54 MiB and flat). fp32 goes to MKL, which does not grow.
+    """
+    step = max(8, (1 << (num_rows.bit_length() - 1)) // 8)  # 8 sizes per octave past 64
+    return -(-num_rows // step) * step
+
+
 def cpu_ops(dtype: torch.dtype):
     """The `Ops` with the C++ kernels for a model in `dtype`, or None if they cannot serve it."""
     from pagoda.ops import Ops, torch_ops
@@ -68,13 +80,20 @@ def cpu_ops(dtype: torch.dtype):
     if module is None or dtype not in (torch.float32, torch.bfloat16):
         return None
     linear = torch_ops.linear
-    if dtype == torch.bfloat16 and module.small_gemm_available():
-        small_gemm = module.small_gemm
+    if dtype == torch.bfloat16:
+        small_gemm = module.small_gemm if module.small_gemm_available() else None
 
         def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-            if x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+            num_rows = x.shape[0]
+            if small_gemm is not None and num_rows <= SMALL_GEMM_MAX_ROWS:
                 return small_gemm(x, weight, bias)
-            return torch_ops.linear(x, weight, bias)
+            rows = bucket_rows(num_rows)
+            if rows != num_rows:  # [rows, in], the padding zeroed; only [:num_rows] is kept
+                padded = x.new_empty(rows, x.shape[1])
+                padded[:num_rows] = x
+                padded[num_rows:].zero_()
+                x = padded
+            return torch_ops.linear(x, weight, bias)[:num_rows]
 
     def add_rms_norm(x, residual, weight, eps):
         module.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
