@@ -17,6 +17,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 KERNEL_BACKENDS = ("auto", "torch", "cpu")  # as pagoda.ops has them (no torch here)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "auto": keep weights in the block format the checkpoint has them in (GGUF q8_0/q4_0/q4_1);
+# "none": expand every weight to the model's dtype at load; a format (int8 = q8_0,
+# int4 = q4_1): quantize a float checkpoint's linear and embedding weights at load.
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,9 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(repr=False, hash=False)
     dtype: str  # "float32" | "bfloat16" | "float16"
     kernel_backend: str  # "auto" | "torch" (PyTorch alone) | "cpu" (the C++ kernels, required)
+    quantization: str  # see QUANTIZATIONS
+    keep_full_precision: tuple[str, ...]  # module-name patterns that stay unquantized
+    int8_activations: bool  # quantized linears at small batch quantize activations to int8
     max_model_len: int
     max_model_len_is_default: bool
     eos_token_ids: tuple[int, ...]
@@ -88,6 +95,11 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     kernel_backend: str = "auto"
+    quantization: str = "auto"
+    keep_full_precision: tuple[str, ...] = ()
+    # Quantized linears at small batch quantize their activations to int8 (llama.cpp's
+    # way: fast); None: on for bf16/fp16 models, off for float32 ones (exactness first).
+    int8_activations: bool | None = None
     # Request limits (see RequestLimits).
     max_n: int = RequestLimits.max_n
     max_logprobs: int = RequestLimits.max_logprobs
@@ -137,6 +149,10 @@ class EngineArgs:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}."
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}."
+            )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(
                 f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}."
@@ -164,6 +180,7 @@ class EngineArgs:
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({model_max_len})."
             )
+        dtype = model_loader.resolve_dtype(self.dtype, hf_config)
         eos_token_ids, generation_defaults = model_loader.load_generation_config(
             path, is_gguf, hf_config
         )
@@ -172,8 +189,13 @@ class EngineArgs:
             path=path,
             is_gguf=is_gguf,
             hf_config=hf_config,
-            dtype=model_loader.resolve_dtype(self.dtype, hf_config),
+            dtype=dtype,
             kernel_backend=self.kernel_backend,
+            quantization=self.quantization,
+            keep_full_precision=tuple(self.keep_full_precision),
+            int8_activations=self.int8_activations
+            if self.int8_activations is not None
+            else dtype != "float32",
             max_model_len=self.max_model_len or model_max_len,
             max_model_len_is_default=self.max_model_len is None,
             eos_token_ids=eos_token_ids,

@@ -8,6 +8,11 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
+bool quant_linear_available();
+at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                        int64_t format, c10::optional<at::Tensor> bias);
+at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
+                      at::ScalarType dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
@@ -16,4 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, n] rows (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding in place, rotate-half layout (CPU)");
+  m.def("quant_linear_available", &quant_linear_available, "Whether quant_linear was built (AVX512-VNNI)");
+  m.def("quant_linear", &quant_linear, "y = x @ dequant(w).T (+ bias), int8 activations (CPU)");
+  m.def("dequantize", &dequantize, "A block-quantized weight as a float matrix (CPU)");
 }

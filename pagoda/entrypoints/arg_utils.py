@@ -16,8 +16,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if isinstance(default, bool):
+        if isinstance(default, bool) or f.type == "bool | None":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif isinstance(default, tuple):  # a list of strings
+            parser.add_argument(flag, nargs="+", default=default)
         elif default is None:  # optional integers
             parser.add_argument(flag, type=int, default=default)
         else:

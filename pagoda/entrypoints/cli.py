@@ -166,8 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     from pagoda.bench.cli import register as register_bench
+    from pagoda.eval.cli import register as register_eval
 
     register_bench(sub)
+    register_eval(sub)
     return parser
 
 

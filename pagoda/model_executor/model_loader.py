@@ -9,15 +9,17 @@ Hugging Face names, so one model file serves both.
 from __future__ import annotations
 
 import contextlib
-import functools
+import fnmatch
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from pagoda.model_executor.quantization import BLOCK, GGUF_TYPES, QuantizedWeight, from_gguf
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -81,9 +83,10 @@ def load_hf_config(path: str, is_gguf: bool) -> dict[str, Any]:
     return config
 
 
-@functools.lru_cache(maxsize=4)
 def _gguf_reader(path: str):
-    """One parse per file: config, weights and tokenizer all read it (it is memory-mapped)."""
+    """A parse of the file (memory-mapped). Not kept: its metadata objects alone take
+    about 150 MiB for a 49k-token vocabulary, so the config and the weights each parse
+    and let go (about a second each)."""
     from gguf import GGUFReader
 
     try:
@@ -162,14 +165,53 @@ def load_generation_config(
 # ---- weights ---------------------------------------------------------------------
 
 
+# --quantization for weights that come as floats: the block format each is quantized to.
+QUANTIZE_AT_LOAD = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "int8": "Q8_0", "int4": "Q4_1"}
+
+
 def iter_weights(
-    path: str, is_gguf: bool, hf_config: dict[str, Any]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face parameter name, tensor) for every weight in the checkpoint."""
+    path: str,
+    is_gguf: bool,
+    hf_config: dict[str, Any],
+    quantization: str = "none",
+    keep_full_precision: Sequence[str] = (),
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(Hugging Face parameter name, weight) for every weight in the checkpoint.
+
+    `quantization`: "none" gives float tensors only; "auto" keeps GGUF tensors that are
+    in a block format pagoda computes on (q8_0, q4_0, q4_1) as `QuantizedWeight`s; a
+    format name (or int8 = q8_0, int4 = q4_1) quantizes the linear and embedding
+    weights to it at load (a GGUF file's are dequantized first). Weights matching a `keep_full_precision` pattern (fnmatch
+    on the module name, with or without "model.": "lm_head", "layers.0.*") stay floats.
+    """
     if is_gguf:
-        yield from _iter_gguf_weights(path, hf_config)
+        source = _iter_gguf_weights(path, hf_config, quantization == "auto", keep_full_precision)
     else:
-        yield from _iter_safetensors(path)
+        source = _iter_safetensors(path)
+    if quantization not in QUANTIZE_AT_LOAD:
+        yield from source
+        return
+    ggml_type = QUANTIZE_AT_LOAD[quantization]
+    for name, w in source:
+        if w.dim() == 2 and w.shape[1] % BLOCK == 0 and not _kept(name, keep_full_precision):
+            yield name, _quantize(w, ggml_type)
+        else:
+            yield name, w
+
+
+def _kept(name: str, patterns: Sequence[str]) -> bool:
+    module = name.rsplit(".", 1)[0]
+    short = module.removeprefix("model.")
+    return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(short, p) for p in patterns)
+
+
+def _quantize(w: torch.Tensor, ggml_type: str) -> QuantizedWeight:
+    """A float weight in a GGUF block format, by the `gguf` package's own quantizer."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(w.float().numpy(), GGMLQuantizationType[ggml_type])
+    return from_gguf(ggml_type, raw)
 
 
 def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -229,7 +271,9 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _iter_gguf_weights(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf_weights(
+    path: str, hf_config: dict[str, Any], keep_quantized: bool, keep_full_precision: Sequence[str]
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
@@ -238,6 +282,22 @@ def _iter_gguf_weights(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[s
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             continue  # e.g. rope_freqs, recomputed from the config
+        rope_heads = None
+        if is_llama and name.endswith(("q_proj.weight", "k_proj.weight")):
+            rope_heads = hf_config[
+                "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
+            ]
+        if (
+            keep_quantized
+            and tensor.tensor_type.name in GGUF_TYPES
+            and not _kept(name, keep_full_precision)
+        ):
+            weight = from_gguf(tensor.tensor_type.name, tensor.data)
+            if rope_heads is not None:  # the same row order as the dequantized path
+                order = _unpermute_rope(np.arange(weight.shape[0]), rope_heads)
+                weight = weight.rows(torch.from_numpy(order))
+            yield name, weight
+            continue
         try:
             w = dequantize(tensor.data, tensor.tensor_type)
         except (NotImplementedError, ValueError) as e:
@@ -247,9 +307,8 @@ def _iter_gguf_weights(path: str, hf_config: dict[str, Any]) -> Iterator[tuple[s
         w = np.array(
             w.reshape(tuple(reversed(tensor.shape.tolist()))), dtype=np.float32
         )  # owned, writable
-        if is_llama and name.endswith(("q_proj.weight", "k_proj.weight")):
-            key = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
-            w = _unpermute_rope(w, hf_config[key])
+        if rope_heads is not None:
+            w = _unpermute_rope(w, rope_heads)
         yield name, torch.from_numpy(w)
 
 

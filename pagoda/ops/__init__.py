@@ -2,6 +2,9 @@
 
     primitive         PyTorch twin (torch_ops)      CPU kernel (cpu, C++)
     linear            F.linear                      small_gemm up to 8 bf16 rows (AVX512-BF16)
+    quant_linear      dequantize, then F.linear     int8 dot products on the blocks up to a few
+                                                    rows (AVX512-VNNI); past that, dequantize
+    dequantize        float math on the blocks      one pass
     rms_norm          float32 math                  one pass
     add_rms_norm      x + residual, then norm       one pass, in place
     rotary_embedding  rotate-half                   one pass, in place
@@ -35,6 +38,8 @@ class Ops:
 
     backend: str  # "torch" | "cpu"
     linear: Callable[..., torch.Tensor]  # (x, weight, bias) -> x @ weight.T + bias
+    quant_linear: Callable[..., torch.Tensor]  # (x, QuantizedWeight, bias), the same
+    dequantize: Callable[..., torch.Tensor]  # (QuantizedWeight, dtype) -> [N, K]
     rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps)
     rotary_embedding: Callable[..., torch.Tensor]  # (qk, positions, cos, sin)
@@ -44,6 +49,8 @@ class Ops:
 TORCH_OPS = Ops(
     backend="torch",
     linear=torch_ops.linear,
+    quant_linear=torch_ops.quant_linear,
+    dequantize=torch_ops.dequantize,
     rms_norm=torch_ops.rms_norm,
     add_rms_norm=torch_ops.add_rms_norm,
     rotary_embedding=torch_ops.rotary_embedding,
@@ -51,9 +58,13 @@ TORCH_OPS = Ops(
 )
 
 
-def select_ops(kernel_backend: str, dtype: torch.dtype) -> Ops:
+def select_ops(kernel_backend: str, dtype: torch.dtype, int8_activations: bool = True) -> Ops:
     """The ops for a model in `dtype`: "torch" is PyTorch alone; "cpu" requires the C++
-    kernels; "auto" takes them when they build and support the dtype."""
+    kernels; "auto" takes them when they build and support the dtype.
+
+    `int8_activations`: quantized linears at small batch quantize their activations to
+    int8 per block of 32 (as llama.cpp does); off, activations stay in `dtype`.
+    """
     if kernel_backend not in KERNEL_BACKENDS:
         raise ValueError(
             f"kernel_backend must be one of {KERNEL_BACKENDS}, got {kernel_backend!r}."
@@ -62,7 +73,7 @@ def select_ops(kernel_backend: str, dtype: torch.dtype) -> Ops:
         return TORCH_OPS
     from pagoda.ops import cpu
 
-    ops = cpu.cpu_ops(dtype)
+    ops = cpu.cpu_ops(dtype, int8_activations)
     if ops is None:
         if kernel_backend == "cpu":
             raise ValueError(

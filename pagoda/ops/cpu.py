@@ -15,11 +15,19 @@ import os
 
 import torch
 
+from pagoda.model_executor.quantization import QuantizedWeight
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
     os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", name)
-    for name in ("module.cpp", "paged_decode.cpp", "small_gemm.cpp", "fused_ops.cpp")
+    for name in (
+        "module.cpp",
+        "paged_decode.cpp",
+        "small_gemm.cpp",
+        "fused_ops.cpp",
+        "quant_gemm.cpp",
+    )
 ]
 
 
@@ -72,7 +80,12 @@ def bucket_rows(num_rows: int) -> int:
     return -(-num_rows // step) * step
 
 
-def cpu_ops(dtype: torch.dtype):
+# Up to this many rows, quantized linears run on the blocks (int8 activations); past it
+# the weight is dequantized and oneDNN's GEMM runs on it.
+QUANT_LINEAR_MAX_ROWS = 8
+
+
+def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
     """The `Ops` with the C++ kernels for a model in `dtype`, or None if they cannot serve it."""
     from pagoda.ops import Ops, torch_ops
 
@@ -95,6 +108,17 @@ def cpu_ops(dtype: torch.dtype):
                 x = padded
             return torch_ops.linear(x, weight, bias)[:num_rows]
 
+    def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+        return module.dequantize(weight.qs, weight.d, weight.m, weight.format_code, out_dtype)
+
+    on_blocks = int8_activations and module.quant_linear_available()
+
+    def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        if on_blocks and x.shape[0] <= QUANT_LINEAR_MAX_ROWS:
+            code = weight.format_code
+            return module.quant_linear(x.contiguous(), weight.qs, weight.d, weight.m, code, bias)
+        return linear(x, dequantize(weight, x.dtype), bias)
+
     def add_rms_norm(x, residual, weight, eps):
         module.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
         return x, residual
@@ -106,6 +130,8 @@ def cpu_ops(dtype: torch.dtype):
     return Ops(
         backend="cpu",
         linear=linear,
+        quant_linear=quant_linear,
+        dequantize=dequantize,
         rms_norm=module.rms_norm,
         add_rms_norm=add_rms_norm,
         rotary_embedding=rotary_embedding,

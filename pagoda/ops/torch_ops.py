@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagoda.model_executor.quantization import OFFSETS, QuantizedWeight
+
 linear = F.linear  # (x [T, in], weight [out, in], bias [out] | None) -> [T, out]
 
 
@@ -61,3 +63,21 @@ def decode_attention(
         q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return o.squeeze(2)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A block-quantized [N, K] weight as a float matrix in `dtype`."""
+    qs = weight.qs
+    q = qs.float() if weight.format == "q8_0" else torch.cat((qs & 0x0F, qs >> 4), -1).float()
+    d = weight.d.float().unsqueeze(-1)  # [N, nb, 1]
+    w = (q - OFFSETS[weight.format]) * d  # exact: an 8-bit integer times an fp16 scale
+    if weight.m is not None:
+        w = w + weight.m.float().unsqueeze(-1)
+    return w.reshape(weight.shape).to(dtype)
+
+
+def quant_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ dequantize(weight).T + bias, activations as they are (W4A16 / W8A16)."""
+    return F.linear(x, dequantize(weight, x.dtype), bias)

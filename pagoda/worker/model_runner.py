@@ -35,7 +35,9 @@ class ModelRunner:
         self.device = torch.device("cpu")
         cfg = model_config.hf_config
         self.vocab_size = cfg["vocab_size"]
-        self.ops = select_ops(model_config.kernel_backend, self.dtype)
+        self.ops = select_ops(
+            model_config.kernel_backend, self.dtype, model_config.int8_activations
+        )
         self.model = self._load_model(model_config)
         self.num_blocks = self._allocate_kv_cache(cfg, cache_config.kv_cache_memory_bytes)
         # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
@@ -47,9 +49,16 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(model_config.seed)
 
     def _load_model(self, mc: ModelConfig) -> torch.nn.Module:
-        model = MODEL_REGISTRY[mc.architecture](mc.hf_config, self.ops)  # float32 on the CPU
-        model.load_weights(model_loader.iter_weights(mc.path, mc.is_gguf, mc.hf_config))
-        return model.to(self.dtype).eval()
+        # Built with uninitialized (so never touched, never resident) float32 weights; each
+        # gets its storage as it loads, in the model's dtype or in its quantized blocks.
+        # (Not the meta device: its first use imports about 70 MiB of Python.)
+        model = MODEL_REGISTRY[mc.architecture](mc.hf_config, self.ops)
+        weights = model_loader.iter_weights(
+            mc.path, mc.is_gguf, mc.hf_config, mc.quantization, mc.keep_full_precision
+        )
+        model.load_weights(weights, self.dtype)
+        _release_free_memory()  # the loader's scratch (file parses, repacking) goes back
+        return model.eval()
 
     def _allocate_kv_cache(self, cfg: dict, budget_bytes: int) -> int:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -183,3 +192,14 @@ class ModelRunner:
             ],
         )
         return input_ids, positions, meta, cu_q
+
+
+def _release_free_memory() -> None:
+    """Ask glibc to return freed heap pages to the OS (about 25 MiB after a GGUF load)."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -12,7 +12,8 @@ from pagoda.ops import TORCH_OPS, Ops
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in ("default", None):
         return inv_freq
@@ -43,8 +44,10 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.ops = ops
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # On the CPU even when the model is built on the meta device (weights come later).
+        inv_freq = _inv_freq(head_dim, theta, scaling).cpu()
+        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq)
         # [max_position, head_dim // 2] each; float32, cast per call to the activations' dtype.
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)

@@ -16,13 +16,14 @@ from torch import nn
 
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import RMSNorm
-from pagoda.model_executor.layers.linear import Linear
+from pagoda.model_executor.layers.linear import Embedding, Linear
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
+from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.ops import TORCH_OPS, Ops
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
@@ -35,13 +36,7 @@ class LlamaAttention(nn.Module):
         )
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias, ops)
         self.o_proj = Linear(self.q_size, hidden, False, ops)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim,
-            cfg.get("max_position_embeddings", 2048),
-            cfg.get("rope_theta", 10000.0),
-            cfg.get("rope_scaling"),
-            ops,
-        )
+        self.rotary_emb = rotary_emb  # one table for every layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +67,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, ops)
+        self.self_attn = LlamaAttention(cfg, ops, rotary_emb)
         self.mlp = LlamaMLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, ops)
@@ -94,9 +89,17 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"], ops)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rotary_emb = RotaryEmbedding(
+            head_dim,
+            cfg.get("max_position_embeddings", 2048),
+            cfg.get("rope_theta", 10000.0),
+            cfg.get("rope_scaling"),
+            ops,
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ops) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, ops, rotary_emb) for _ in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ops)
 
@@ -119,7 +122,9 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: dict[str, Any], ops: Ops = TORCH_OPS) -> None:
-        """`ops`: the kernel layer's implementations, chosen once at load (pagoda.ops)."""
+        """`ops`: the kernel layer's implementations, chosen once at load (pagoda.ops).
+        The linear and embedding weights are left uninitialized: `load_weights` gives
+        every parameter its storage, in the model's dtype or quantized."""
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, ops)
@@ -135,61 +140,111 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up.
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Load Hugging Face-named weights: dense tensors (stored in `dtype`) or block-
+        quantized ones (kept so, see QuantizedWeight). q/k/v and gate/up are fused from
+        their parts once all have come; fused parts stay quantized when they share a
+        format, else they are dequantized.
 
         Raises ValueError naming any parameter left unloaded or of the wrong shape.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        pending: dict[str, dict[int, torch.Tensor | QuantizedWeight]] = {}
         for name, w in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            for hf_part, (fused_part, shard) in self.stacked_params.items():
-                if hf_part in name:
-                    fused = name.replace(hf_part, fused_part)
-                    param = params[fused]
-                    sizes = self._shard_sizes(fused_part)
-                    offset = sum(sizes[:shard])
-                    target = param.data.narrow(0, offset, sizes[shard])
-                    self._copy(target, w, name)
-                    loaded.add(f"{fused}#{shard}")
-                    break
-            else:
+            fused = next(
+                (
+                    (name.replace(hf_part, fused_part), shard, fused_part)
+                    for hf_part, (fused_part, shard) in self.stacked_params.items()
+                    if hf_part in name
+                ),
+                None,
+            )
+            if fused is None:
                 if name not in params:
                     raise ValueError(
                         f"checkpoint weight {name!r} has no place in {type(self).__name__}."
                     )
-                self._copy(params[name].data, w, name)
+                self._load(name, [w], [name], dtype)
                 loaded.add(name)
-        expected = set()
-        for pname in params:
-            part = next((f for f, _ in self.stacked_params.values() if f in pname), None)
-            if part is None:
-                expected.add(pname)
-            else:
-                expected.update(f"{pname}#{i}" for i in range(len(self._shard_sizes(part))))
-        if self.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing = sorted(expected - loaded)
+                continue
+            fused_name, shard, fused_part = fused
+            if fused_name not in params:
+                raise ValueError(
+                    f"checkpoint weight {name!r} has no place in {type(self).__name__}."
+                )
+            parts = pending.setdefault(fused_name, {})
+            parts[shard] = (name, w)
+            if len(parts) == len(self._shard_sizes(fused_part)):
+                del pending[fused_name]
+                names, ws = zip(*(parts[i] for i in range(len(parts))), strict=True)
+                self._load(fused_name, list(ws), list(names), dtype)
+                loaded.add(fused_name)
+        missing = sorted(set(params) - loaded - {"lm_head.weight"})
         if missing:
             raise ValueError(
                 f"checkpoint is missing weights: {', '.join(missing[:5])}"
                 + (" ..." if len(missing) > 5 else "")
             )
+        embed = self.model.embed_tokens
+        if self.tie_word_embeddings:
+            if embed.qweight is not None:
+                self.lm_head.set_quantized(embed.qweight)
+            else:
+                self.lm_head.weight = embed.weight
+        elif "lm_head.weight" not in loaded:
+            raise ValueError("checkpoint is missing weights: lm_head.weight")
+
+    def _load(
+        self,
+        target: str,
+        parts: list[torch.Tensor | QuantizedWeight],
+        names: list[str],
+        dtype: torch.dtype,
+    ) -> None:
+        """Give parameter `target` its weight from `parts` (its shards, in order)."""
+        module_name, attr = target.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        param = getattr(module, attr)
+        sizes = (
+            [param.shape[0]] if len(parts) == 1 else self._shard_sizes(f".{target.split('.')[-2]}.")
+        )
+        for part, name, size in zip(parts, names, sizes, strict=True):
+            want = (size, *param.shape[1:])
+            if tuple(part.shape) != want:
+                raise ValueError(f"weight {name!r} has shape {tuple(part.shape)}, expected {want}.")
+        quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if (
+            attr == "weight"
+            and len(quantized) == len(parts)
+            and len({p.format for p in parts}) == 1
+        ):
+            weight = parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
+            if isinstance(module, Linear):
+                module.set_quantized(weight)
+                return
+            if isinstance(module, Embedding):
+                module.set_quantized(weight, dtype)
+                return
+        data = torch.empty(param.shape, dtype=dtype)
+        offset = 0
+        for part in parts:
+            if isinstance(part, QuantizedWeight):
+                part = TORCH_OPS.dequantize(part, dtype)
+            data[offset : offset + part.shape[0]].copy_(part)
+            offset += part.shape[0]
+        setattr(module, attr, nn.Parameter(data, requires_grad=False))
 
     def _shard_sizes(self, fused_part: str) -> list[int]:
         attn = self.model.layers[0].self_attn
         if fused_part == ".qkv_proj.":
             return [attn.q_size, attn.kv_size, attn.kv_size]
         return [self.config["intermediate_size"]] * 2
-
-    @staticmethod
-    def _copy(target: torch.Tensor, w: torch.Tensor, name: str) -> None:
-        if target.shape != w.shape:
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(target.shape)}."
-            )
-        target.copy_(w)

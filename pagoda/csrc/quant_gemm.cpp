@@ -1,0 +1,278 @@
+// Linear layers on weights kept in GGUF's block formats (32 weights a block, one fp16
+// scale each): q8_0, q4_0 and q4_1, as pagoda repacks them at load (see
+// pagoda/model_executor/quantization.py):
+//
+//   qs  uint8 [N, K/32, B]  q4: B = 16, element j in byte j's low nibble, j + 16 in its high
+//                           q8: B = 32, stored + 128 so that every weight byte is unsigned
+//   d   fp16  [N, K/32]     scale
+//   m   fp16  [N, K/32]     q4_1's minimum
+//   weight = d * (q - offset) + m      offset: 8 (q4_0), 128 (q8_0), 0 (q4_1)
+//
+// quant_linear (decode, a few rows): the activations are quantized per block of 32 to
+// int8 (d_a = max|x| / 127, as llama.cpp's q8_1) and each weight byte is read once into
+// AVX512-VNNI dot products (vpdpbusd: unsigned weight bytes x signed activation bytes,
+// four products summed into each int32 lane). Per block and activation row:
+//
+//   sum_k w_k x_k = d_w d_a sum_k q_k a_k + (m_w - offset d_w) s_a,   s_a = d_a sum_k a_k
+//
+// A 64-byte load holds 4 q4 blocks (4 lanes each) or 2 q8 blocks (8 lanes each); the
+// activations are laid out to match, so lane l of the int32 sums belongs to block
+// l / (16 / blocks per load), and one fused multiply-add per load applies the scales.
+//
+// dequantize (prefill, many rows): the weights back to a float matrix, for oneDNN's GEMM.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PAGODA_HAS_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+
+int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 32 : 16; }
+float offset_of(int64_t format) { return format == kQ8_0 ? 128.f : format == kQ4_0 ? 8.f : 0.f; }
+
+void check_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+                  int64_t format) {
+  TORCH_CHECK(format == kQ8_0 || format == kQ4_0 || format == kQ4_1, "unknown format ", format);
+  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "qs must be a contiguous uint8 [N, K/32, bytes] tensor");
+  TORCH_CHECK(qs.size(2) == block_bytes(format), "qs has ", qs.size(2), " bytes a block");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 2 &&
+                  d.size(0) == qs.size(0) && d.size(1) == qs.size(1),
+              "d must be a contiguous float16 [N, K/32] tensor");
+  TORCH_CHECK(m.has_value() == (format == kQ4_1), "m is given exactly for q4_1");
+  if (m.has_value())
+    TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == at::kHalf && m->is_contiguous(),
+                "m must be like d");
+}
+
+inline float half_to_float(at::Half h) { return static_cast<float>(h); }
+
+// ---- dequantize --------------------------------------------------------------------
+
+template <typename T>
+void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t format,
+                     T* out, int64_t nb, int64_t n0, int64_t n1) {
+  const int64_t bb = block_bytes(format);
+  const float offset = offset_of(format);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* q = qs + (n * nb + b) * bb;
+      const float scale = half_to_float(d[n * nb + b]);
+      const float shift = (m != nullptr ? half_to_float(m[n * nb + b]) : 0.f) - offset * scale;
+      T* o = out + n * nb * kBlock + b * kBlock;
+      if (format == kQ8_0) {
+        for (int64_t j = 0; j < 32; ++j) o[j] = static_cast<T>(q[j] * scale + shift);
+      } else {
+        for (int64_t j = 0; j < 16; ++j) {
+          o[j] = static_cast<T>((q[j] & 0x0F) * scale + shift);
+          o[j + 16] = static_cast<T>((q[j] >> 4) * scale + shift);
+        }
+      }
+    }
+  }
+}
+
+#ifdef PAGODA_HAS_VNNI
+// ---- activations ---------------------------------------------------------------------
+
+struct Activations {
+  int64_t groups;            // 64-byte loads a row of weights takes
+  std::vector<int8_t> q;     // [M, groups, 64] (q4: [M, groups, 2, 64], low then high halves)
+  std::vector<float> scale;  // [M, groups, 16]: d_a of the block each lane belongs to
+  std::vector<float> sum;    // [M, groups * blocks per load]: s_a, zero past the last block
+};
+
+template <typename Tin>
+Activations quantize_activations(const Tin* x, int64_t M, int64_t K, int64_t format) {
+  const int64_t nb = K / kBlock;
+  const int64_t per_load = 64 / block_bytes(format);  // blocks per 64-byte weight load
+  const int64_t lanes = 16 / per_load;                 // int32 lanes per block
+  const bool q4 = format != kQ8_0;
+  Activations a;
+  a.groups = (nb + per_load - 1) / per_load;
+  const int64_t halves = q4 ? 2 : 1;
+  a.q.assign(M * a.groups * halves * 64, 0);
+  a.scale.assign(M * a.groups * 16, 0.f);
+  a.sum.assign(M * a.groups * per_load, 0.f);
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[kBlock];
+      float amax = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        v[j] = static_cast<float>(x[i * K + b * kBlock + j]);
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      const int64_t g = b / per_load, slot = b % per_load;
+      int8_t* dst = a.q.data() + ((i * a.groups + g) * halves) * 64;
+      int32_t total = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(v[j] * id));  // ties to even
+        total += q;
+        // q4: byte j of a block pairs with element j (low nibble) and j + 16 (high).
+        const int64_t at = q4 ? (j / 16) * 64 + slot * 16 + j % 16 : slot * 32 + j;
+        dst[at] = static_cast<int8_t>(q);
+      }
+      for (int64_t l = 0; l < lanes; ++l) a.scale[(i * a.groups + g) * 16 + slot * lanes + l] = d;
+      a.sum[i * a.groups * per_load + b] = d * static_cast<float>(total);
+    }
+  }
+  return a;
+}
+
+// ---- the dot products ------------------------------------------------------------
+
+// 16 fp32 lanes holding the fp16 scales of the `count` blocks at p, each repeated over
+// its lanes; lanes of absent blocks are 0 (a masked load: never garbage, never NaN).
+inline __m512 lane_scales(const at::Half* p, int64_t count, int64_t per_load) {
+  const __m128i h = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), p);
+  const __m512 f = _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+  const __m512i index = per_load == 4
+                            ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                            : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(index, f);
+}
+
+// Rows [n0, n1) of y = x w^T for the M activation rows (MT at a time).
+template <int64_t Format, int64_t MT, typename Tout>
+void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const at::Half* m,
+              const float* bias, Tout* y, int64_t mi, int64_t N, int64_t nb, int64_t n0,
+              int64_t n1) {
+  constexpr bool kQ4 = Format != kQ8_0;
+  constexpr int64_t kBytes = kQ4 ? 16 : 32;
+  constexpr int64_t kPerLoad = 64 / kBytes;
+  const float offset = offset_of(Format);
+  const int64_t groups = a.groups;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wrow = qs + n * nb * kBytes;
+    const at::Half* drow = d + n * nb;
+    __m512 acc[MT];
+    for (int64_t t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t count = std::min(kPerLoad, nb - g * kPerLoad);
+      const __m512i w = count == kPerLoad
+                            ? _mm512_loadu_si512(wrow + g * 64)
+                            : _mm512_maskz_loadu_epi8((~0ULL) >> (64 - count * kBytes), wrow + g * 64);
+      const __m512 dw = lane_scales(drow + g * kPerLoad, count, kPerLoad);
+      __m512i lo = w, hi = w;
+      if constexpr (kQ4) {
+        lo = _mm512_and_si512(w, low);
+        hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      }
+      for (int64_t t = 0; t < MT; ++t) {
+        const int64_t i = mi + t;
+        const int8_t* act = a.q.data() + ((i * groups + g) * (kQ4 ? 2 : 1)) * 64;
+        __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(act));
+        if constexpr (kQ4) sum = _mm512_dpbusd_epi32(sum, hi, _mm512_loadu_si512(act + 64));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a.scale.data() + (i * groups + g) * 16));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[t]);
+      }
+    }
+    // The per-block constant: (m_w - offset d_w) s_a, 16 blocks at a time.
+    __m512 extra[MT];
+    for (int64_t t = 0; t < MT; ++t) extra[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 16) {
+      const __mmask16 mask = static_cast<__mmask16>(nb - b >= 16 ? 0xFFFF : (1u << (nb - b)) - 1);
+      const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, drow + b));
+      __m512 c = _mm512_mul_ps(dv, _mm512_set1_ps(-offset));
+      if (m != nullptr) c = _mm512_add_ps(c, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + n * nb + b)));
+      for (int64_t t = 0; t < MT; ++t) {
+        const float* s = a.sum.data() + (mi + t) * groups * kPerLoad + b;
+        extra[t] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(mask, s), extra[t]);
+      }
+    }
+    const float b0 = bias != nullptr ? bias[n] : 0.f;
+    for (int64_t t = 0; t < MT; ++t)
+      y[(mi + t) * N + n] = static_cast<Tout>(_mm512_reduce_add_ps(_mm512_add_ps(acc[t], extra[t])) + b0);
+  }
+}
+
+template <int64_t Format, typename Tout>
+void dot_all(const Activations& a, const uint8_t* qs, const at::Half* d, const at::Half* m,
+             const float* bias, Tout* y, int64_t M, int64_t N, int64_t nb, int64_t n0, int64_t n1) {
+  int64_t i = 0;
+  for (; i + 4 <= M; i += 4) dot_rows<Format, 4>(a, qs, d, m, bias, y, i, N, nb, n0, n1);
+  for (; i + 2 <= M; i += 2) dot_rows<Format, 2>(a, qs, d, m, bias, y, i, N, nb, n0, n1);
+  for (; i < M; ++i) dot_rows<Format, 1>(a, qs, d, m, bias, y, i, N, nb, n0, n1);
+}
+#endif
+
+}  // namespace
+
+bool quant_linear_available() {
+#ifdef PAGODA_HAS_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
+                      at::ScalarType dtype) {
+  check_weight(qs, d, m, format);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
+  const int64_t N = qs.size(0), nb = qs.size(1);
+  auto out = at::empty({N, nb * kBlock}, qs.options().dtype(dtype));
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.has_value() ? m->data_ptr<at::Half>() : nullptr;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    if (dtype == at::kFloat)
+      dequantize_rows(q, dp, mp, format, out.data_ptr<float>(), nb, n0, n1);
+    else
+      dequantize_rows(q, dp, mp, format, out.data_ptr<at::BFloat16>(), nb, n0, n1);
+  });
+  return out;
+}
+
+at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                        int64_t format, c10::optional<at::Tensor> bias) {
+#ifdef PAGODA_HAS_VNNI
+  check_weight(qs, d, m, format);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = qs.size(1);
+  TORCH_CHECK(K == nb * kBlock, "x has ", K, " columns; the weight takes ", nb * kBlock);
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const Activations a = x.scalar_type() == at::kFloat
+                            ? quantize_activations(x.data_ptr<float>(), M, K, format)
+                            : quantize_activations(x.data_ptr<at::BFloat16>(), M, K, format);
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.has_value() ? m->data_ptr<at::Half>() : nullptr;
+  auto run = [&](auto* out) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (format == kQ8_0)
+        dot_all<kQ8_0>(a, q, dp, mp, bp, out, M, N, nb, n0, n1);
+      else if (format == kQ4_0)
+        dot_all<kQ4_0>(a, q, dp, mp, bp, out, M, N, nb, n0, n1);
+      else
+        dot_all<kQ4_1>(a, q, dp, mp, bp, out, M, N, nb, n0, n1);
+    });
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(y.data_ptr<float>());
+  else
+    run(y.data_ptr<at::BFloat16>());
+  return y;
+#else
+  TORCH_CHECK(false, "quant_linear needs AVX512-VNNI; use the PyTorch twin");
+#endif
+}

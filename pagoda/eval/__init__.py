@@ -1,0 +1,1 @@
+"""Model-quality evaluation: `pagoda eval perplexity`."""

@@ -1,0 +1,47 @@
+"""`pagoda eval perplexity`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from pagoda.entrypoints.arg_utils import add_engine_args
+    from pagoda.eval.perplexity import HELDOUT_TEXT
+
+    evaluate = sub.add_parser("eval", help="model quality: perplexity")
+    esub = evaluate.add_subparsers(dest="eval_command", required=True)
+    ppl = esub.add_parser("perplexity", help="sliding-window perplexity over a text file")
+    ppl.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
+    ppl.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ppl.add_argument("--file", default=HELDOUT_TEXT, help="plain text (default: pagoda's own)")
+    ppl.add_argument("--context", type=int, default=512, help="tokens a window holds")
+    ppl.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    ppl.add_argument("--output-json", default=None)
+    ppl.add_argument("--no-progress", action="store_true")
+    add_engine_args(ppl)
+    ppl.set_defaults(func=cmd_perplexity)
+
+
+def cmd_perplexity(ns: argparse.Namespace) -> int:
+    from pagoda.entrypoints.arg_utils import engine_args_from
+    from pagoda.eval.perplexity import as_record, perplexity
+
+    ns.model = ns.model_tag or ns.model
+    engine_kwargs = dataclasses.asdict(engine_args_from(ns))
+    with open(ns.file, encoding="utf-8") as f:
+        text = f.read()
+    result = perplexity(engine_kwargs, text, ns.context, ns.stride, not ns.no_progress)
+    record = as_record(result, engine_kwargs, ns.file)
+    print(
+        f"perplexity {result.perplexity:.4f} over {result.num_scored_tokens} tokens "
+        f"({result.num_windows} windows of {ns.context}, stride {ns.stride}; "
+        f"{result.seconds:.1f} s)"
+    )
+    print(json.dumps(record, default=str))
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+    return 0

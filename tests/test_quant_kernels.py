@@ -1,0 +1,136 @@
+"""The quantized-weight kernels against their references, in float64.
+
+- Repacking: GGUF blocks made by the `gguf` package's own quantizer come back, through
+  the PyTorch twin's dequantize, exactly as the package dequantizes them.
+- dequantize (C++) equals the PyTorch twin bit for bit, in float32 and bf16.
+- quant_linear (int8 activations, AVX512-VNNI) equals the same arithmetic done in
+  float64: activations quantized per block of 32 exactly as llama.cpp's q8_1, then the
+  dot products of the integers, scaled. Random and adversarial blocks (all zero, the
+  largest magnitudes, one outlier), odd sizes (a tail of blocks that does not fill a
+  64-byte load, odd row counts), 1 to 8 activation rows, bias, bf16 and float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from pagoda.model_executor.quantization import FORMATS, OFFSETS, QuantizedWeight, from_gguf
+from pagoda.ops import TORCH_OPS, cpu
+
+GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+        "q4_1": GGMLQuantizationType.Q4_1}  # fmt: skip
+
+
+def make_weight(fmt: str, n: int, k: int, seed: int, adversarial: bool = False):
+    """(QuantizedWeight, float64 dense values) from gguf's own quantizer."""
+    g = np.random.default_rng(seed)
+    w = g.standard_normal((n, k)).astype(np.float32) * 0.05
+    if adversarial:
+        w[0] = 0.0  # a row of all-zero blocks (scale 0)
+        w[1, :32] = 60000.0  # the largest fp16-scale magnitudes
+        w[1, 32:64] = -60000.0
+        w[2, 5] = 40.0  # one outlier in a block of small values
+    raw = gguf_quantize(w, GGUF[fmt])
+    return from_gguf(GGUF[fmt].name, raw), gguf_dequantize(raw, GGUF[fmt]).astype(np.float64)
+
+
+def kernels_or_skip():
+    module = cpu.load()
+    if module is None:
+        pytest.skip("no C++ toolchain")
+    return module
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repacked_blocks_dequantize_as_gguf_does(fmt):
+    qw, dense = make_weight(fmt, 7, 96, seed=1, adversarial=True)
+    assert qw.shape == (7, 96) and qw.format == fmt
+    assert qw.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt] * 7 * 3  # GGUF's own size
+    got = TORCH_OPS.dequantize(qw, torch.float32).double().numpy()
+    np.testing.assert_array_equal(got, dense)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_dequantize_equals_the_twin(fmt, dtype):
+    module = kernels_or_skip()
+    qw, _ = make_weight(fmt, 37, 32 * 19, seed=2, adversarial=True)
+    want = TORCH_OPS.dequantize(qw, dtype)
+    got = module.dequantize(qw.qs, qw.d, qw.m, qw.format_code, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def quantize_activations(x: torch.Tensor):
+    """llama.cpp's q8_1 in float32, as the kernel does it: per block of 32,
+    d = max|x| / 127, q = round(x / d) (ties to even)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
+    q = torch.round(blocks * inv.unsqueeze(-1))
+    return q.double(), d.double()
+
+
+def reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic in float64: sum_b d_w d_a sum(q_w q_a) + (m_w - off d_w) s_a."""
+    qa, da = quantize_activations(x)  # [M, nb, 32], [M, nb]
+    qs = qw.qs.long()
+    qwv = qs if qw.format == "q8_0" else torch.cat((qs & 0x0F, qs >> 4), -1)  # [N, nb, 32]
+    dw = qw.d.double()
+    mw = qw.m.double() if qw.m is not None else torch.zeros_like(dw)
+    dots = torch.einsum("mbj,nbj->mnb", qa, qwv.double())
+    sa = da * qa.sum(-1)  # [M, nb]
+    y = (dots * dw.unsqueeze(0) * da.unsqueeze(1)).sum(-1)
+    y = y + (sa.unsqueeze(1) * (mw - OFFSETS[qw.format] * dw).unsqueeze(0)).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_quant_linear_equals_float64(fmt, dtype, rows):
+    module = kernels_or_skip()
+    if not module.quant_linear_available():
+        pytest.skip("no AVX512-VNNI")
+    for n, nb, seed in ((37, 18, 3), (64, 48, 4), (5, 1, 5), (11, 7, 6)):
+        qw, dense = make_weight(fmt, n, 32 * nb, seed=seed, adversarial=n > 3)
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(rows, 32 * nb, generator=g).to(dtype)
+        x[0, :32] = 0.0  # a block of zero activations
+        if rows > 1:
+            x[1, 32 : min(64, 32 * nb)] *= 1000.0  # a loud block
+        bias = torch.randn(n, generator=g).to(dtype)
+        for b in (None, bias):
+            got = module.quant_linear(x, qw.qs, qw.d, qw.m, qw.format_code, b)
+            assert got.shape == (rows, n) and got.dtype == dtype
+            want = reference(x, qw, b)
+            scale = want.abs().max().item() + 1.0
+            tol = 2**-7 if dtype == torch.bfloat16 else 1e-5  # the output's rounding
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
+            # And the unquantized product, within what rounding each activation to its
+            # block's int8 grid can cost: sum over blocks of d_a / 2 * sum |w|.
+            exact = x.double() @ torch.from_numpy(dense).T + (0 if b is None else b.double())
+            _, da = quantize_activations(x)
+            w_abs = torch.from_numpy(np.abs(dense)).reshape(n, nb, 32).sum(-1)  # [N, nb]
+            bound = (da / 2) @ w_abs.T
+            assert ((got.double() - exact).abs() <= bound * 1.001 + tol * scale).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ops_quant_linear_both_regimes(fmt):
+    """The CPU backend: int8 dot products up to 8 rows, dequantize + GEMM past them; the
+    PyTorch twin always dequantizes. All within quantization error of float64."""
+    if cpu.load() is None:
+        pytest.skip("no C++ toolchain")
+    qw, dense = make_weight(fmt, 96, 32 * 6, seed=7)
+    for ops in (cpu.cpu_ops(torch.bfloat16), cpu.cpu_ops(torch.bfloat16, False), TORCH_OPS):
+        for rows in (1, 8, 9, 40):
+            x = torch.randn(rows, 32 * 6).bfloat16()
+            got = ops.quant_linear(x, qw, None).double()
+            exact = x.double() @ torch.from_numpy(dense).T
+            assert got.shape == (rows, 96)
+            assert (got - exact).norm() / exact.norm() < 0.03
