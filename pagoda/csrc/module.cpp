@@ -12,7 +12,7 @@ bool quant_linear_available();
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                         int64_t format, c10::optional<at::Tensor> bias);
 at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
-                      at::ScalarType dtype);
+                      at::ScalarType dtype, c10::optional<at::Tensor> out_buffer);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
@@ -23,5 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding in place, rotate-half layout (CPU)");
   m.def("quant_linear_available", &quant_linear_available, "Whether quant_linear was built (AVX512-VNNI)");
   m.def("quant_linear", &quant_linear, "y = x @ dequant(w).T (+ bias), int8 activations (CPU)");
-  m.def("dequantize", &dequantize, "A block-quantized weight as a float matrix (CPU)");
+  m.def("dequantize", &dequantize, "A block-quantized weight as a float matrix (CPU)",
+        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("format"), py::arg("dtype"),
+        py::arg("out_buffer") = py::none());
 }

@@ -28,8 +28,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGODA_HAS_VNNI 1
 #endif
 
@@ -58,8 +60,47 @@ void check_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional
 
 inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 
-// ---- dequantize --------------------------------------------------------------------
+// ---- dequantize ----------------------------------------------------------------------
 
+#if defined(__AVX512F__)
+inline void store(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+inline void store(at::BFloat16* o, __m512 v) {
+  // Round to nearest even, as c10::BFloat16 does (NaN never occurs: finite inputs).
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// value = q * scale + shift, shift = m - offset * scale: q * scale is exact (an 8-bit
+// integer times an fp16 scale), so one rounding, as in the PyTorch twin.
+template <typename T>
+void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t format,
+                     T* out, int64_t nb, int64_t n0, int64_t n1) {
+  const int64_t bb = block_bytes(format);
+  const float offset = offset_of(format);
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* q = qs + (n * nb + b) * bb;
+      const float scale = half_to_float(d[n * nb + b]);
+      const float shift = (m != nullptr ? half_to_float(m[n * nb + b]) : 0.f) - offset * scale;
+      const __m512 sv = _mm512_set1_ps(scale), hv = _mm512_set1_ps(shift);
+      T* o = out + (n * nb + b) * kBlock;
+      const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      if (format == kQ8_0) {
+        const __m512i second =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+        store(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), sv, hv));
+        store(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), sv, hv));
+      } else {  // elements 0..15 in the low nibbles, 16..31 in the high ones
+        store(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(first, low)), sv, hv));
+        store(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4)), sv, hv));
+      }
+    }
+  }
+}
+#else
 template <typename T>
 void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t format,
                      T* out, int64_t nb, int64_t n0, int64_t n1) {
@@ -70,18 +111,17 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, in
       const uint8_t* q = qs + (n * nb + b) * bb;
       const float scale = half_to_float(d[n * nb + b]);
       const float shift = (m != nullptr ? half_to_float(m[n * nb + b]) : 0.f) - offset * scale;
-      T* o = out + n * nb * kBlock + b * kBlock;
-      if (format == kQ8_0) {
-        for (int64_t j = 0; j < 32; ++j) o[j] = static_cast<T>(q[j] * scale + shift);
-      } else {
-        for (int64_t j = 0; j < 16; ++j) {
-          o[j] = static_cast<T>((q[j] & 0x0F) * scale + shift);
-          o[j + 16] = static_cast<T>((q[j] >> 4) * scale + shift);
-        }
+      T* o = out + (n * nb + b) * kBlock;
+      for (int64_t j = 0; j < 16; ++j) {
+        const int lo = format == kQ8_0 ? q[j] : (q[j] & 0x0F);
+        const int hi = format == kQ8_0 ? q[j + 16] : (q[j] >> 4);
+        o[j] = static_cast<T>(std::fma(static_cast<float>(lo), scale, shift));
+        o[j + 16] = static_cast<T>(std::fma(static_cast<float>(hi), scale, shift));
       }
     }
   }
 }
+#endif
 
 #ifdef PAGODA_HAS_VNNI
 // ---- activations ---------------------------------------------------------------------
@@ -221,11 +261,21 @@ bool quant_linear_available() {
 }
 
 at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
-                      at::ScalarType dtype) {
+                      at::ScalarType dtype, c10::optional<at::Tensor> out_buffer) {
   check_weight(qs, d, m, format);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
   const int64_t N = qs.size(0), nb = qs.size(1);
-  auto out = at::empty({N, nb * kBlock}, qs.options().dtype(dtype));
+  // Into `out_buffer` (at least N * K elements of dtype) when given: a large weight in a
+  // fresh allocation costs a page fault per 4 KiB on first write, most of the time here.
+  at::Tensor out;
+  if (out_buffer.has_value()) {
+    TORCH_CHECK(out_buffer->scalar_type() == dtype && out_buffer->is_contiguous() &&
+                    out_buffer->numel() >= N * nb * kBlock,
+                "out_buffer must be a contiguous ", dtype, " tensor of at least N * K elements");
+    out = out_buffer->view(-1).narrow(0, 0, N * nb * kBlock).view({N, nb * kBlock});
+  } else {
+    out = at::empty({N, nb * kBlock}, qs.options().dtype(dtype));
+  }
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.has_value() ? m->data_ptr<at::Half>() : nullptr;
