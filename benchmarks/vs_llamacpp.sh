@@ -6,11 +6,11 @@
 #   LLAMA_SERVER=/path/to/llama-server benchmarks/vs_llamacpp.sh [OUT_DIR]
 #
 # Passes: `mixed` (64 requests at once; llama.cpp with 64 parallel slots) and
-# batch 1 (4 `uniform` requests, one in flight: TPOT). llama.cpp runs the GGUF
-# as it is (the default model's is Q4_1) and, if LLAMA_GGUF_BF16 names one, a
-# BF16 conversion (`llama-quantize --allow-requantize IN OUT BF16`): pagoda
-# dequantizes to bf16, so that is the like-for-like run. THREADS (default 2)
-# is given to both.
+# batch 1 (4 `uniform` requests, one in flight: TPOT). Both run the GGUF as it is
+# (the default model's is Q4_1: pagoda keeps its blocks); pagoda also runs it
+# dequantized to bf16 (`--quantization none`), and llama.cpp a BF16 conversion if
+# LLAMA_GGUF_BF16 names one (`llama-quantize --allow-requantize IN OUT BF16`), the
+# like-for-like pair. THREADS (default 2) is given to both.
 set -euo pipefail
 
 : "${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}"
@@ -55,7 +55,8 @@ run_system() {
   stop "$pid"
 }
 
-run_system pagoda-bf16 pagoda serve "$gguf" --dtype bfloat16 --num-threads "$threads" --port "$port"
+run_system pagoda-gguf pagoda serve "$gguf" --dtype bfloat16 --num-threads "$threads" --port "$port"
+run_system pagoda-bf16 pagoda serve "$gguf" --dtype bfloat16 --quantization none --num-threads "$threads" --port "$port"
 run_system llama.cpp-gguf "$LLAMA_SERVER" -m "$gguf" -t "$threads" -c 53248 -np 64 --port "$port" --host 127.0.0.1
 if [[ -n "${LLAMA_GGUF_BF16:-}" ]]; then
   run_system llama.cpp-bf16 "$LLAMA_SERVER" -m "$LLAMA_GGUF_BF16" -t "$threads" -c 53248 -np 64 --port "$port" --host 127.0.0.1
