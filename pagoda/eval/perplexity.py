@@ -26,6 +26,15 @@ class Window:
     first_scored: int  # positions [first_scored, len) count
 
 
+def halves(token_ids: list[int], context: int) -> list[Window]:
+    """llama.cpp's `llama-perplexity` windows: whole chunks of `context` tokens, none
+    overlapping, each scoring only its second half (the first half is its context)."""
+    return [
+        Window(token_ids[begin : begin + context], context // 2)
+        for begin in range(0, len(token_ids) - context + 1, context)
+    ]
+
+
 def windows(token_ids: list[int], context: int, stride: int) -> list[Window]:
     """The sliding windows over `token_ids`, each scoring what no earlier one did."""
     if not 0 < stride <= context:
@@ -52,7 +61,7 @@ class PerplexityResult:
     num_tokens: int
     num_windows: int
     context: int
-    stride: int
+    stride: int | None  # None: llama.cpp's windows
     seconds: float
 
 
@@ -62,16 +71,21 @@ def perplexity(
     context: int = 512,
     stride: int = 256,
     use_tqdm: bool = True,
+    llama_cpp_windows: bool = False,
 ) -> PerplexityResult:
+    """`llama_cpp_windows`: score as llama.cpp's perplexity tool does (see `halves`), for a
+    figure comparable with its own; `stride` is then unused."""
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs)
+    # Windows in flight need little KV cache; the engine's default (a quarter of memory,
+    # up to 4 GiB) would only cost time to allocate.
+    llm = LLM(**{"kv_cache_memory_bytes": 1 << 29, **_set(engine_kwargs)})
     token_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
     if context >= llm.llm_engine.max_model_len:
         raise ValueError(
             f"context ({context}) must be below max_model_len ({llm.llm_engine.max_model_len})."
         )
-    spans = windows(token_ids, context, stride)
+    spans = halves(token_ids, context) if llama_cpp_windows else windows(token_ids, context, stride)
     start = time.perf_counter()
     outputs = llm.generate(
         [{"prompt_token_ids": w.token_ids} for w in spans],
@@ -90,10 +104,14 @@ def perplexity(
         num_tokens=len(token_ids),
         num_windows=len(spans),
         context=context,
-        stride=stride,
+        stride=None if llama_cpp_windows else stride,
         seconds=time.perf_counter() - start,
     )
 
 
 def as_record(result: PerplexityResult, engine_kwargs: dict[str, Any], file: str) -> dict:
     return {"file": file, "engine": engine_kwargs, **asdict(result)}
+
+
+def _set(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}
