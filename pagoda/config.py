@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 KERNEL_BACKENDS = ("auto", "torch", "cpu")  # as pagoda.ops has them (no torch here)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": keep weights in the block format the checkpoint has them in (GGUF q8_0/q4_0/q4_1);
 # "none": expand every weight to the model's dtype at load; a format (int8 = q8_0,
@@ -51,6 +52,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int
     enable_prefix_caching: bool
     swap_space_bytes: int  # host pool for swapped-out blocks; 0 unless preemption_mode is "swap"
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class EngineArgs:
     dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -149,6 +152,10 @@ class EngineArgs:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}."
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}."
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}."
@@ -209,6 +216,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes or default_kv_cache_bytes(),
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=self.swap_space if self.preemption_mode == "swap" else 0,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def create_request_limits(self) -> RequestLimits:

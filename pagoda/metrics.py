@@ -102,6 +102,15 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value(stats)))
             yield family
+        kv = stats.kv_cache
+        info = GaugeMetricFamily(
+            "pagoda:cache_config_info",
+            "The KV cache's configuration (always 1; the labels carry it).",
+            labels=["model_name", "kv_cache_dtype", "block_size", "num_blocks", "capacity_tokens"],
+        )
+        labels = [kv.dtype, str(kv.block_size), str(kv.num_blocks_total), str(kv.capacity_tokens)]
+        info.add_metric([self.model_name, *labels], 1.0)
+        yield info
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # names are fixed; nothing to check at registration

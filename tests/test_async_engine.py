@@ -182,6 +182,8 @@ def test_shutdown_aborts_in_flight(tiny_llama):
 
 def _stats(num_running: int) -> SchedulerStats:
     kv = KVCacheStats(
+        dtype="bfloat16",
+        block_size=16,
         num_blocks_total=10,
         num_blocks_used=4,
         num_requests_swapped=0,

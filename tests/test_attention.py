@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagoda.attention.context import AttentionMetadata
+from pagoda.attention.kv_cache import PagedKVCache, dequantize_kv, quantize_kv
 from pagoda.attention.paged import paged_attention, write_kv
 from pagoda.ops import cpu, select_ops
 
@@ -23,38 +24,54 @@ def dense_reference(q, k, v, scale):
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
 
 
-def build_batch(seq_lens, query_lens, block_size=4, H=6, KVH=2, D=16, dtype=torch.float32, seed=0):
-    """Random K/V for each whole sequence written into a shuffled paged cache."""
+def build_batch(
+    seq_lens, query_lens, block_size=4, H=6, KVH=2, D=16, dtype=torch.float32, seed=0, kv_dtype=None
+):
+    """Random K/V for each whole sequence written into a shuffled paged cache (in `dtype`,
+    or quantized to `kv_dtype`). Returns (q, per-sequence (k, v) as the cache holds them,
+    block tables, the cache, per-sequence (k, v) as computed, before the cache)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    k_cache = torch.zeros(num_blocks, block_size, KVH, D, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    cache = PagedKVCache(1, num_blocks, block_size, KVH, D, kv_dtype or dtype).layer(0)
     free = torch.randperm(num_blocks, generator=g).tolist()
-    seqs, tables = [], []
+    seqs, fresh, tables = [], [], []
     for s in seq_lens:
         table = [free.pop() for _ in range(-(-s // block_size))]
         k = torch.randn(s, KVH, D, generator=g).to(dtype)
         v = torch.randn(s, KVH, D, generator=g).to(dtype)
+        k[0, 0] *= 50  # an outlier: it sets its row's scale
         slots = torch.tensor(
             [table[p // block_size] * block_size + p % block_size for p in range(s)]
         )
-        write_kv(k, v, k_cache, v_cache, slots)
+        write_kv(k, v, cache, slots)
+        fresh.append((k, v))
+        if cache.quantized:  # what the cache holds, for the reference
+            k = dequantize_kv(*quantize_kv(k, cache.k.dtype), torch.float64)
+            v = dequantize_kv(*quantize_kv(v, cache.v.dtype), torch.float64)
         seqs.append((k, v))
         tables.append(table)
     q = [torch.randn(ql, H, D, generator=g).to(dtype) for ql in query_lens]
-    return q, seqs, tables, k_cache, v_cache
+    return q, seqs, tables, cache, fresh
+
+
+KV_DTYPES = [None, torch.int8, torch.float8_e4m3fn]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_mixed_batch_matches_dense(dtype, tol, backend):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["model-dtype", "int8", "fp8"])
+def test_mixed_batch_matches_dense(dtype, tol, backend, kv_dtype):
+    """A quantized cache is checked against the dense reference on what it holds (the
+    rounding of K/V is the cache's, not the kernel's)."""
     if backend == "cpu" and cpu.load() is None:
         pytest.skip("no C++ toolchain")
     kernel = select_ops(backend, dtype).decode_attention
     # Three decodes (one has a single token of context), then prefills with and without context.
     seq_lens = [1, 9, 17, 6, 11, 8]
     query_lens = [1, 1, 1, 6, 3, 8]
-    q, seqs, tables, k_cache, v_cache = build_batch(seq_lens, query_lens, dtype=dtype)
+    q, seqs, tables, cache, fresh = build_batch(
+        seq_lens, query_lens, dtype=dtype, kv_dtype=kv_dtype
+    )
     nd = 3
     max_blocks = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
@@ -71,14 +88,16 @@ def test_mixed_batch_matches_dense(dtype, tol, backend):
     )
     q_flat = torch.cat(q)
     k_new = torch.cat(
-        [k[s - ql :] for (k, _), s, ql in zip(seqs, seq_lens, query_lens, strict=True)]
+        [k[s - ql :] for (k, _), s, ql in zip(fresh, seq_lens, query_lens, strict=True)]
     )
     v_new = torch.cat(
-        [v[s - ql :] for (_, v), s, ql in zip(seqs, seq_lens, query_lens, strict=True)]
+        [v[s - ql :] for (_, v), s, ql in zip(fresh, seq_lens, query_lens, strict=True)]
     )
     scale = 16**-0.5
-    out = paged_attention(q_flat, k_new, v_new, k_cache, v_cache, meta, scale, kernel)
+    out = paged_attention(q_flat, k_new, v_new, cache, meta, scale, kernel)
     for i, ((k, v), qi) in enumerate(zip(seqs, q, strict=True)):
+        if query_lens[i] == seq_lens[i] > 1 and not cache.quantized:
+            k, v = fresh[i]  # a prefill with no context: k/v as computed
         ref = dense_reference(qi, k, v, scale)
         got = out[starts[i] : starts[i + 1]].double()
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
@@ -86,7 +105,8 @@ def test_mixed_batch_matches_dense(dtype, tol, backend):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_kernel_handles_long_contexts_and_head_dims(dtype, tol, block_size):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["model-dtype", "int8", "fp8"])
+def test_kernel_handles_long_contexts_and_head_dims(dtype, tol, block_size, kv_dtype):
     """Head dims 64 and 128 take the compiled fast paths (bf16: AVX512-BF16 dot
     products, 16 keys per reduction, partial chunks masked); 24 the generic one."""
     module = cpu.load()
@@ -94,14 +114,16 @@ def test_kernel_handles_long_contexts_and_head_dims(dtype, tol, block_size):
         pytest.skip("no C++ toolchain")
     for D, H, KVH in ((64, 9, 3), (128, 4, 4), (24, 4, 2)):
         seq_lens = [1, 33, 200, 47]
-        q, seqs, tables, k_cache, v_cache = build_batch(
-            seq_lens, [1] * 4, block_size=block_size, H=H, KVH=KVH, D=D, dtype=dtype, seed=D
-        )
+        q, seqs, tables, cache, _ = build_batch(
+            seq_lens, [1] * 4, block_size=block_size, H=H, KVH=KVH, D=D, dtype=dtype, seed=D,
+            kv_dtype=kv_dtype,
+        )  # fmt: skip
         max_blocks = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
         out = module.paged_decode_attention(
-            torch.cat(q), k_cache, v_cache, padded, torch.tensor(seq_lens), D**-0.5
-        )
+            torch.cat(q), cache.k, cache.v, padded, torch.tensor(seq_lens), D**-0.5,
+            cache.k_scales, cache.v_scales,
+        )  # fmt: skip
         for i, ((k, v), qi) in enumerate(zip(seqs, q, strict=True)):
             torch.testing.assert_close(
                 out[i : i + 1].double(), dense_reference(qi, k, v, D**-0.5), atol=tol, rtol=tol

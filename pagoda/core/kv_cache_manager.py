@@ -61,8 +61,11 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         num_host_blocks: int = 0,
+        dtype: str = "auto",
     ) -> None:
+        """`dtype`: what the blocks hold, for the stats (the runner's cache decides it)."""
         self.block_size = block_size
+        self.dtype = dtype
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = (
@@ -249,6 +252,8 @@ class KVCacheManager:
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
+            dtype=self.dtype,
+            block_size=self.block_size,
             num_blocks_total=self.block_pool.num_blocks,
             num_blocks_used=self.block_pool.num_used_blocks,
             num_requests_swapped=self.num_swapped,

@@ -15,11 +15,17 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class KVCacheStats:
+    dtype: str  # what a block holds: the model's dtype, "int8" or "fp8_e4m3"
+    block_size: int  # tokens a block holds
     num_blocks_total: int
     num_blocks_used: int
     num_requests_swapped: int  # requests whose blocks sit in the host pool
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found cached
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks_total * self.block_size
 
     @property
     def usage_perc(self) -> float:

@@ -7,6 +7,10 @@
 //
 // The softmax's exp runs 16 lanes at a time with at::vec's exp_u20, the same
 // approximation torch's CPU flash attention uses (and so HF's SDPA path).
+//
+// The cache holds the model's dtype, or int8 / fp8 (e4m3) with one fp16 scale per
+// token and head (k_scales, v_scales: [num_blocks, block_size, KVH]); a quantized row
+// is widened to float32 and scaled as it is read.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define CPU_CAPABILITY_AVX512
 #define CPU_CAPABILITY AVX512
@@ -47,6 +51,40 @@ inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
     const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;  // exact widening
     std::memcpy(dst + i, &bits, sizeof(bits));
   }
+}
+
+inline void load_row(const int8_t* src, float scale, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+// fp8 e4m3 -> float32 for every byte value, built once.
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i)
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+inline void load_row(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
+  const float* table = fp8_table();
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = table[s[i]] * scale;
+}
+
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// A cache row as float32: the model's dtype widened, or a quantized one scaled.
+template <typename T>
+inline void read_row(const T* src, const at::Half* scales, int64_t scale_index, float* dst, int64_t n) {
+  if constexpr (kQuantized<T>)
+    load_row(src, static_cast<float>(scales[scale_index]), dst, n);
+  else
+    load_row(src, dst, n);
 }
 
 // Blocks sit anywhere in the pool, out of the hardware prefetcher's sight: ask for the next one.
@@ -120,15 +158,18 @@ inline float softmax_numerators(float* s, int64_t len) {
   return sum;
 }
 
-// kD > 0 fixes the head dim at compile time (fully unrolled inner loops); 0 reads `D_`.
-template <typename T, int64_t kD>
-void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-            const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D_,
-            int64_t block_size, int64_t max_blocks, float scale) {
+// T: q and out; C: the cache (T, or quantized with scales). kD > 0 fixes the head dim
+// at compile time (fully unrolled inner loops); 0 reads `D_`.
+template <typename T, typename C, int64_t kD>
+void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_scales,
+            const at::Half* v_scales, const int64_t* block_tables, const int64_t* seq_lens, T* out,
+            int64_t B, int64_t H, int64_t KVH, int64_t D_, int64_t block_size, int64_t max_blocks,
+            float scale) {
   const int64_t D = kD > 0 ? kD : D_;
   const int64_t G = H / KVH;
   // bf16 with a head dim of whole 32-pair chunks: q.k straight from bf16 (bf16_scores).
-  constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<T, at::BFloat16> && kD > 0 && kD % 32 == 0;
+  constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<T, at::BFloat16> &&
+                            std::is_same_v<C, at::BFloat16> && kD > 0 && kD % 32 == 0;
   const int64_t row_stride = KVH * D;  // between consecutive tokens of a block
   // Torch's own thread pool (a second OpenMP runtime would spin against it). Each
   // thread takes every T-th item: contexts differ in length, and contiguous halves
@@ -149,7 +190,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
       // Walk the context block by block: no division per token.
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const T* k_block = k_cache + table[start / block_size] * block_size * row_stride + kvh * D;
+        const int64_t block = table[start / block_size];
+        const C* k_block = k_cache + block * block_size * row_stride + kvh * D;
         if (start + block_size < len) prefetch_block(k_cache + table[start / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
 #ifdef PAGODA_BF16_DOT
         if constexpr (kBf16Dot) {
@@ -160,7 +202,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         }
 #endif
         for (int64_t j = 0; j < n; ++j) {
-          load_row(k_block + j * row_stride, row, D);
+          read_row(k_block + j * row_stride, k_scales, (block * block_size + j) * KVH + kvh, row, D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float dot = 0.f;
@@ -174,10 +216,11 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const T* v_block = v_cache + table[start / block_size] * block_size * row_stride + kvh * D;
+        const int64_t block = table[start / block_size];
+        const C* v_block = v_cache + block * block_size * row_stride + kvh * D;
         if (start + block_size < len) prefetch_block(v_cache + table[start / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
         for (int64_t j = 0; j < n; ++j) {
-          load_row(v_block + j * row_stride, row, D);
+          read_row(v_block + j * row_stride, v_scales, (block * block_size + j) * KVH + kvh, row, D);
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * len + start + j];
             float* a = acc.data() + g * D;
@@ -196,13 +239,20 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
 
 }  // namespace
 
-// q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
-// seq_lens: [B] int64 (>= 1). Returns [B, H, D].
+// q: [B, H, D]; caches: [num_blocks, block_size, KVH, D] in q's dtype, or int8 / fp8 e4m3
+// with k_scales/v_scales [num_blocks, block_size, KVH] fp16; block_tables: [B, max_blocks]
+// int64; seq_lens: [B] int64 (>= 1). Returns [B, H, D].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  c10::optional<at::Tensor> k_scales,
+                                  c10::optional<at::Tensor> v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode_attention: bad ranks");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: dtype mismatch");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: K/V dtype mismatch");
+  const bool quantized = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: the cache holds q's dtype, int8 or fp8 e4m3");
+  TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()),
+              "paged_decode_attention: a quantized cache needs k_scales and v_scales (and only it)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and seq_lens must be int64");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: caches must be contiguous");
@@ -212,22 +262,37 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(D <= kMaxHeadDim && k_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: bad shapes");
+  if (quantized)
+    for (const auto& s : {*k_scales, *v_scales})
+      TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 3 &&
+                      s.size(0) == k_cache.size(0) && s.size(1) == block_size && s.size(2) == KVH,
+                  "paged_decode_attention: scales must be contiguous fp16 [num_blocks, block_size, KVH]");
   auto out = at::empty_like(q);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_decode_attention: float32 or bfloat16 only");
-  auto run = [&](auto type_tag, auto fixed_dim) {
+  const at::Half* ks = quantized ? k_scales->data_ptr<at::Half>() : nullptr;
+  const at::Half* vs = quantized ? v_scales->data_ptr<at::Half>() : nullptr;
+  auto run = [&](auto type_tag, auto cache_tag, auto fixed_dim) {
     using scalar_t = typename decltype(type_tag)::type;
-    decode<scalar_t, decltype(fixed_dim)::value>(
-        q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    using cache_t = typename decltype(cache_tag)::type;
+    decode<scalar_t, cache_t, decltype(fixed_dim)::value>(
+        q.data_ptr<scalar_t>(), reinterpret_cast<const cache_t*>(k_cache.data_ptr()),
+        reinterpret_cast<const cache_t*>(v_cache.data_ptr()), ks, vs,
         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D,
         block_size, block_tables.size(1), static_cast<float>(scale));
   };
-  auto by_dim = [&](auto type_tag) {
-    if (D == 64) run(type_tag, std::integral_constant<int64_t, 64>{});
-    else if (D == 128) run(type_tag, std::integral_constant<int64_t, 128>{});
-    else run(type_tag, std::integral_constant<int64_t, 0>{});
+  auto by_dim = [&](auto type_tag, auto cache_tag) {
+    if (D == 64) run(type_tag, cache_tag, std::integral_constant<int64_t, 64>{});
+    else if (D == 128) run(type_tag, cache_tag, std::integral_constant<int64_t, 128>{});
+    else run(type_tag, cache_tag, std::integral_constant<int64_t, 0>{});
   };
-  if (q.scalar_type() == at::kFloat) by_dim(std::type_identity<float>{});
-  else by_dim(std::type_identity<at::BFloat16>{});
+  auto by_cache = [&](auto type_tag) {
+    using scalar_t = typename decltype(type_tag)::type;
+    if (k_cache.scalar_type() == at::kChar) by_dim(type_tag, std::type_identity<int8_t>{});
+    else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) by_dim(type_tag, std::type_identity<c10::Float8_e4m3fn>{});
+    else by_dim(type_tag, std::type_identity<scalar_t>{});
+  };
+  if (q.scalar_type() == at::kFloat) by_cache(std::type_identity<float>{});
+  else by_cache(std::type_identity<at::BFloat16>{});
   return out;
 }

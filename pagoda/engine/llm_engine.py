@@ -60,6 +60,7 @@ class LLMEngine:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             num_host_blocks=self.model_runner.num_host_blocks,
+            dtype=self.model_runner.kv_cache_dtype_name,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.processor = Processor(

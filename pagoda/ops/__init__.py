@@ -43,7 +43,8 @@ class Ops:
     rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps)
     rotary_embedding: Callable[..., torch.Tensor]  # (qk, positions, cos, sin)
-    decode_attention: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, tables, lens, scale)
+    # (q, k_cache, v_cache, tables, lens, scale, k_scales=None, v_scales=None)
+    decode_attention: Callable[..., torch.Tensor]
 
 
 TORCH_OPS = Ops(

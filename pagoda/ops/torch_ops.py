@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagoda.attention.kv_cache import dequantize_kv, gather
 from pagoda.model_executor.quantization import OFFSETS, QuantizedWeight
 
 linear = F.linear  # (x [T, in], weight [out, in], bias [out] | None) -> [T, out]
@@ -38,11 +39,6 @@ def rotary_embedding(
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache [N, bs, KVH, D], block_table [..., MB] -> [..., MB * bs, KVH, D]."""
-    return cache[block_table].flatten(-4, -3)
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -50,19 +46,28 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
-    q [B, H, D]; caches [N, bs, KVH, D]; block_tables [B, MB]; seq_lens [B] -> [B, H, D].
+    q [B, H, D]; caches [N, bs, KVH, D] (quantized ones with scales [N, bs, KVH]);
+    block_tables [B, MB]; seq_lens [B] -> [B, H, D].
     """
-    keys = gather_blocks(k_cache, block_tables).transpose(1, 2)  # [B, KVH, S, D]
-    values = gather_blocks(v_cache, block_tables).transpose(1, 2)
+    keys = gather(k_cache, block_tables)  # [B, S, KVH, D]
+    values = gather(v_cache, block_tables)
+    query = q
+    if k_scales is not None:  # in float32, as the C++ kernel reads a quantized cache
+        keys = dequantize_kv(keys, gather(k_scales, block_tables), torch.float32)
+        values = dequantize_kv(values, gather(v_scales, block_tables), torch.float32)
+        query = q.float()
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, KVH, S, D]
     positions = torch.arange(keys.shape[2], device=q.device)
     mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
-    return o.squeeze(2)
+    return o.squeeze(2).to(q.dtype)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from pagoda.attention.context import AttentionMetadata, forward_context
+from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.model_executor import model_loader
@@ -39,13 +40,12 @@ class ModelRunner:
             model_config.kernel_backend, self.dtype, model_config.int8_activations
         )
         self.model = self._load_model(model_config)
-        self.num_blocks = self._allocate_kv_cache(cfg, cache_config.kv_cache_memory_bytes)
+        self.num_blocks = self._allocate_kv_cache(
+            cache_config.kv_cache_memory_bytes, cache_config.kv_cache_dtype
+        )
         # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
         self.num_host_blocks = cache_config.swap_space_bytes // self.bytes_per_block
-        self.host_kv_cache = torch.zeros(
-            (*self.kv_cache.shape[:2], self.num_host_blocks, *self.kv_cache.shape[3:]),
-            dtype=self.dtype,
-        )
+        self.host_kv_cache = self.kv_cache.like(self.num_host_blocks)
         self.generator = torch.Generator(self.device).manual_seed(model_config.seed)
 
     def _load_model(self, mc: ModelConfig) -> torch.nn.Module:
@@ -60,38 +60,33 @@ class ModelRunner:
         _release_free_memory()  # the loader's scratch (file parses, repacking) goes back
         return model.eval()
 
-    def _allocate_kv_cache(self, cfg: dict, budget_bytes: int) -> int:
+    def _allocate_kv_cache(self, budget_bytes: int, kv_cache_dtype: str) -> int:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         attn = layers[0]
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = (
-            2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
-        )
-        self.bytes_per_block = bytes_per_block
-        num_blocks = budget_bytes // bytes_per_block
+        dtype = KV_CACHE_DTYPES.get(kv_cache_dtype, self.dtype)
+        shape = (len(layers), self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.bytes_per_block = PagedKVCache.bytes_per_block(*shape, dtype)
+        num_blocks = budget_bytes // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes ({budget_bytes}) is smaller than one block ({bytes_per_block} bytes)."
+                f"kv_cache_memory_bytes ({budget_bytes}) is smaller than one block "
+                f"({self.bytes_per_block} bytes)."
             )
-        # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; zeroed so that
-        # masked-out slots never hold NaN (0 * NaN would leak through attention).
-        self.kv_cache = torch.zeros(
-            len(layers),
-            2,
-            num_blocks,
-            self.block_size,
-            attn.num_kv_heads,
-            attn.head_dim,
-            dtype=self.dtype,
+        self.kv_cache = PagedKVCache(
+            len(layers), num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, dtype
         )
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            layer.kv = self.kv_cache.layer(i)
+        self.kv_cache_dtype_name = (
+            kv_cache_dtype if kv_cache_dtype != "auto" else str(dtype).removeprefix("torch.")
+        )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %d bytes per token)",
+            "KV cache: %d blocks of %d tokens in %s (%.1f MiB, %d bytes per token)",
             num_blocks,
             self.block_size,
-            num_blocks * bytes_per_block / 2**20,
-            bytes_per_block // self.block_size,
+            self.kv_cache_dtype_name,
+            num_blocks * self.bytes_per_block / 2**20,
+            self.bytes_per_block // self.block_size,
         )
         return num_blocks
 
@@ -136,13 +131,13 @@ class ModelRunner:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then copies."""
         if sched.blocks_to_swap_out:
             dev, host = zip(*sched.blocks_to_swap_out, strict=True)
-            self.host_kv_cache[:, :, list(host)] = self.kv_cache[:, :, list(dev)]
+            self.host_kv_cache.copy_blocks(self.kv_cache, list(dev), list(host))
         if sched.blocks_to_swap_in:
             host, dev = zip(*sched.blocks_to_swap_in, strict=True)
-            self.kv_cache[:, :, list(dev)] = self.host_kv_cache[:, :, list(host)]
+            self.kv_cache.copy_blocks(self.host_kv_cache, list(host), list(dev))
         if sched.blocks_to_copy:
             src, dst = zip(*sched.blocks_to_copy, strict=True)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+            self.kv_cache.copy_blocks(self.kv_cache, list(src), list(dst))
 
     def _prompt_logprobs(
         self, reqs: list[ScheduledRequest], hidden: torch.Tensor, cu_q: torch.Tensor
