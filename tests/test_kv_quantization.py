@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM
 from pagoda.core.stats import KVCacheStats
 from pagoda.eval.perplexity import HELDOUT_TEXT, perplexity
-from tests.conftest import smollm2_gguf, tiny_prompts
+from tests.conftest import agreement_on_prefixes, smollm2_gguf, tiny_prompts
 from tests.test_correctness import pagoda_greedy
 
 KV = ["int8", "fp8_e4m3"]
@@ -79,20 +79,8 @@ def test_close_to_the_unquantized_cache(tiny_llama, kv):
     llm = _llm(tiny_llama, kv)
     prompts = tiny_prompts(llm.get_tokenizer(), n=8)
     outs = pagoda_greedy(llm, prompts, max_tokens=16)
-    full = [p + o for p, o in zip(prompts, outs, strict=True)]
-    scorer = _llm(tiny_llama, "auto", max_num_batched_tokens=4)
-    scored = scorer.generate(
-        [{"prompt_token_ids": f} for f in full],
-        SamplingParams(max_tokens=1, prompt_logprobs=1),
-        use_tqdm=False,
-    )
-    agree = total = 0
-    for prompt, seq, out in zip(prompts, full, scored, strict=True):
-        for pos in range(len(prompt), len(seq)):
-            best = next(t for t, lp in out.prompt_logprobs[pos].items() if lp.rank == 1)
-            agree += best == seq[pos]
-            total += 1
-    assert agree / total >= {"int8": 0.9, "fp8_e4m3": 0.75}[kv], agree / total
+    share = agreement_on_prefixes(_llm(tiny_llama, "auto", max_num_batched_tokens=4), prompts, outs)
+    assert share >= {"int8": 0.9, "fp8_e4m3": 0.75}[kv], share
 
 
 def test_stats_and_metrics_name_the_dtype(tiny_llama):

