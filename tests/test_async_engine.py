@@ -209,3 +209,26 @@ def _value(text: str, series: str) -> float:
         if line.startswith(series + " "):
             return float(line.split()[-1])
     raise KeyError(series)
+
+
+def test_a_stream_delivers_what_came_before_a_failure():
+    """Deltas merged for a reader that fell behind go out before the error that followed."""
+    from pagoda.engine.async_engine import RequestStream
+    from pagoda.errors import RequestFailedError
+    from pagoda.outputs import CompletionOutput, RequestOutput
+    from pagoda.sampling_params import RequestOutputKind
+
+    def delta(text: str, error: str | None = None) -> RequestOutput:
+        c = CompletionOutput(0, text, [1], "error" if error else None)
+        return RequestOutput("r", None, [1], [c], error is not None, error=error)
+
+    async def run():
+        stream = RequestStream("r", asyncio.get_running_loop(), RequestOutputKind.DELTA)
+        for item in (delta("a"), delta("b"), delta("", error="boom")):
+            stream._put(item)
+        first = await stream.__anext__()
+        with pytest.raises(RequestFailedError, match="boom"):
+            await stream.__anext__()
+        return first.outputs[0].text
+
+    assert asyncio.run(run()) == "ab"

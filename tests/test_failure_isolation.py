@@ -112,14 +112,59 @@ def test_a_failing_child_ends_its_whole_request(tiny_llama, monkeypatch):
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
-    assert finals["x"].error and {c.finish_reason for c in finals["x"].outputs} <= {
-        "error",
-        "length",
-        "stop",
-    }
+    assert finals["x"].error and {c.finish_reason for c in finals["x"].outputs} == {"error"}
     assert finals["y"].error is None and len(finals["y"].outputs[0].token_ids) == 8
     assert engine.get_stats().kv_cache.num_blocks_used == 0
     assert not engine.scheduler.requests
+
+
+def test_a_lone_request_with_n_completions_fails_alone(tiny_llama, monkeypatch):
+    """One request (n = 2) whose sampling fails is one request failing, not "every
+    request of the step": the engine goes on."""
+    engine = _engine(tiny_llama)
+    _fail_sampling(monkeypatch, lambda r: r.request_id.startswith("pair"))
+    engine.add_request("pair", "Hello", SamplingParams(n=2, max_tokens=4))
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert outs[-1].finished and outs[-1].error is not None
+    monkeypatch.undo()
+    assert (
+        _run(engine, [[5, 6, 7]], SamplingParams(max_tokens=3, output_kind=FINAL))["0"].error
+        is None
+    )
+
+
+def test_blocks_of_a_failed_step_are_not_served_from_the_prefix_cache(tiny_llama, monkeypatch):
+    """A request that fails before its K/V are written (here: building the step's
+    inputs) leaves blocks that were findable by hash from the moment they were
+    allocated. They stop being findable, and a request of the same step that shared
+    them (a same-step prefix hit) computes its tokens again: its output is exact."""
+    from pagoda.worker.model_runner import ModelRunner
+
+    engine = _engine(tiny_llama)
+    prompt = tiny_prompts(engine.tokenizer, n=1, seed=9)[0] * 3  # several full blocks
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=FINAL)
+    want = _run(engine, [prompt], params)["0"].outputs[0].token_ids
+    engine.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    real = ModelRunner._prepare_inputs
+
+    def faulty(self, reqs):
+        if any(r.request_id == "bad" for r in reqs):
+            raise RuntimeError("injected input fault")
+        return real(self, reqs)
+
+    monkeypatch.setattr(ModelRunner, "_prepare_inputs", faulty)
+    engine.add_request("bad", {"prompt_token_ids": prompt}, params)
+    engine.add_request("same-step", {"prompt_token_ids": prompt}, params)  # hits bad's blocks
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["bad"].error is not None
+    assert finals["same-step"].error is None and finals["same-step"].outputs[0].token_ids == want
+    monkeypatch.undo()
+    later = _run(engine, [prompt], params)["0"]  # no stale block served from the cache
+    assert later.outputs[0].token_ids == want
+    assert engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_a_fault_every_request_hits_stops_the_engine(tiny_llama, monkeypatch):
@@ -165,6 +210,9 @@ def test_async_engine_failure_and_death(tiny_llama, monkeypatch):
             if not engine.is_running:
                 break
         assert errors == [RequestFailedError, RequestFailedError, EngineDeadError]
+        deadline = time.monotonic() + 10
+        while not dead and time.monotonic() < deadline:  # on_dead runs after the streams end
+            time.sleep(0.01)
         assert not engine.is_running and isinstance(dead[0], EngineDeadError)
         with pytest.raises(EngineDeadError):
             asyncio.run(collect("late"))

@@ -195,6 +195,22 @@ def test_request_id_and_priority(engine):
         assert e.value.param == "priority"
 
 
+def test_child_ids_must_be_free_too(engine):
+    """A request with n = 2 runs as "<id>#0" and "<id>#1": those ids must not be taken."""
+    engine.add_request("x#1", "Hello", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="x#1"):
+        engine.add_request("x", "Hello", SamplingParams(n=2, max_tokens=2))
+    engine.abort_request("x#1")
+
+
+def test_allowed_tokens_that_are_all_banned(engine):
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request(
+            "b", "Hello", SamplingParams(allowed_token_ids=[2], min_tokens=1, max_tokens=3)
+        )  # the tiny model's EOS is 2
+    assert e.value.param == "allowed_token_ids"
+
+
 def test_values_at_the_edges_are_served(engine):
     """What the limits allow runs: ids at vocab - 1, top_k far above the vocabulary,
     int64 seeds, 0 as top_k (off, as in vLLM), stop strings at the length limit."""

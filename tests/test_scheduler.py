@@ -893,3 +893,16 @@ def test_random_workloads_keep_invariants(scenario):
             assert d.tokens[rid] == tokens
             assert d.finish[rid] == (reason, stop_reason)
             assert request.stop_reason == stop_reason
+
+
+def test_priority_queue_membership_and_removal():
+    from pagoda.core.request_queue import PriorityQueue
+
+    queue = PriorityQueue()
+    reqs = [make_request(str(i), [1, 2], priority=i % 3, arrival_time=float(i)) for i in range(9)]
+    for r in reqs:
+        queue.add(r)
+    assert all(r in queue for r in reqs) and make_request("x", [1]) not in queue
+    queue.remove(reqs[4])
+    assert reqs[4] not in queue and len(queue) == 8
+    assert [r.request_id for r in queue] == ["0", "3", "6", "1", "7", "2", "5", "8"]

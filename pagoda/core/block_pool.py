@@ -47,7 +47,7 @@ class BlockPool:
         block_ids = []
         for _ in range(num_blocks):
             block_id, _ = self.free_queue.popitem(last=False)
-            self._evict_hash(block_id)
+            self.forget_hash(block_id)
             self.ref_cnts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -79,7 +79,8 @@ class BlockPool:
         self.block_hashes[block_id] = block_hash
         self.cached_blocks.setdefault(block_hash, block_id)
 
-    def _evict_hash(self, block_id: int) -> None:
+    def forget_hash(self, block_id: int) -> None:
+        """The block stops being findable by hash (it is evicted, or its content is in doubt)."""
         block_hash = self.block_hashes[block_id]
         if block_hash is None:
             return

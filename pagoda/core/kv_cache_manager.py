@@ -165,8 +165,8 @@ class KVCacheManager:
         new_block_ids = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         block_ids.extend(new_block_ids)
         # Findable at once: a request admitted later in this same step may share them,
-        # since every layer writes the whole step's K/V before any attention reads.
-        # (The scheduler never un-schedules a request it has allocated for.)
+        # since every layer writes the whole step's K/V before any attention reads. (If
+        # the step fails for this request, forget_uncomputed takes them back.)
         self.cache_blocks(request, num_computed + num_new_tokens)
         return new_block_ids
 
@@ -182,6 +182,20 @@ class KVCacheManager:
         for i in range(record.num_cached_blocks, num_full):
             self.block_pool.cache_full_block(record.block_ids[i], hashes[i])
         record.num_cached_blocks = num_full
+
+    def forget_uncomputed(self, request: Request) -> set[int]:
+        """After a failed step: the request's blocks past its computed tokens may never
+        have been written, yet were findable from the moment they were allocated. They
+        stop being findable; returns their ids (a request of the same step may hold them)."""
+        record = self.requests.get(request.request_id)
+        if record is None:
+            return set()
+        first = request.num_computed_tokens // self.block_size
+        suspect = record.block_ids[first:]
+        for block_id in suspect:
+            self.block_pool.forget_hash(block_id)
+        record.num_cached_blocks = min(record.num_cached_blocks, first)
+        return set(suspect)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share every block of `parent` (parallel sampling)."""

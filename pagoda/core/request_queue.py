@@ -123,6 +123,9 @@ class PriorityQueue(RequestQueue):
     def __len__(self) -> int:
         return len(self._heap)
 
+    def __contains__(self, request: object) -> bool:
+        return any(entry[-1] is request for entry in self._heap)  # no sort: O(n)
+
     def order_running(self, running: list[Request]) -> None:
         running.sort(key=_rank)
 

@@ -72,6 +72,26 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def fail_requests(self, request_ids: Iterable[str]) -> set[int]:
+        """Finish requests whose step failed (FINISHED_ERROR). Returns the blocks they had
+        allocated for that step, which may hold nothing valid: a request of the same step
+        that holds one must be recomputed (`recompute_requests`)."""
+        suspect: set[int] = set()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                suspect |= self.kv_cache_manager.forget_uncomputed(request)
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        return suspect
+
+    def recompute_requests(self, request_ids: Iterable[str]) -> None:
+        """Put running requests back in the waiting queue to compute all their tokens again
+        (preemption by recompute, whatever the preemption mode)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self._preempt(request, recompute=True)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -264,7 +284,7 @@ class Scheduler:
             preempted.append(victim.request_id)
         return preempted
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, recompute: bool = False) -> None:
         """Take the request off the device and put it back at the front of the queue.
 
         Swap mode moves its blocks to host memory (falling back to recompute when
@@ -272,7 +292,8 @@ class Scheduler:
         recomputes its tokens (prompt and outputs so far) when readmitted.
         """
         self.running.remove(request)
-        if self.config.preemption_mode == "swap" and self.kv_cache_manager.swap_out(request):
+        swap = self.config.preemption_mode == "swap" and not recompute
+        if swap and self.kv_cache_manager.swap_out(request):
             self.num_preemptions["swap"] += 1
         else:
             self.kv_cache_manager.free(request)

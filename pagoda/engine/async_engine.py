@@ -134,17 +134,21 @@ class RequestStream:
         self._ready.clear()
         merged: RequestOutput | None = None
         while self._items:
-            item = self._items.popleft()
-            if isinstance(item, BaseException):
+            item = self._items[0]
+            if isinstance(item, BaseException) or item.error is not None:
+                if merged is not None:  # what came before the failure goes out first
+                    self._ready.set()
+                    return merged
+                self._items.popleft()
                 self.finished = True
-                raise item
+                if isinstance(item, BaseException):
+                    raise item
+                raise RequestFailedError(item.error, item.error_is_client)
+            self._items.popleft()
             if merged is None or self.output_kind != RequestOutputKind.DELTA:
                 merged = item
             else:
                 merged.add(item)
-            if item.error is not None:
-                self.finished = True
-                raise RequestFailedError(item.error, item.error_is_client)
         if merged.finished:
             self.finished = True
         return merged
@@ -292,6 +296,12 @@ class AsyncEngine:
         ]
         op = AddRequests(requests, streams, loop.create_future())
         with self._cond:
+            # Again under the lock: the engine may have died or stopped since the check,
+            # and then nobody would ever answer this operation.
+            if self._error is not None:
+                raise EngineDeadError("the engine has stopped after an error.") from self._error
+            if self._stopping:
+                raise EngineNotAcceptingError("the server is shutting down.")
             self._num_unseen_adds += len(requests)
             self._ops.append(op)
             self._cond.notify()
@@ -399,7 +409,8 @@ class AsyncEngine:
             error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"{e!r}")
             if error is not e:
                 error.__cause__ = e
-            self._error = error
+            with self._cond:  # from here no operation is queued (add_processed checks)
+                self._error = error
             self._fail_all(error)
             if self.on_dead is not None:
                 self.on_dead(error)

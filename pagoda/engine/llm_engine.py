@@ -108,8 +108,10 @@ class LLMEngine:
     ) -> None:
         """Queue a request that `processor.process` has already checked (the async engine
         runs the Processor on its own thread, then hands the result here)."""
-        if request_id in self.output_processor:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use.", "request_id")
+        # The children's ids ("<id>#<i>") must be free too: "x" with n=2 would take "x#1".
+        for rid in (request_id, *(c.request_id for c in children)):
+            if rid in self.output_processor or rid in self.scheduler.requests:
+                raise InvalidRequestError(f"request_id {rid!r} is already in use.", "request_id")
         self.output_processor.add_request(request_id, children, prompt_text)
         self.scheduler.add_request(children[0], fork_siblings=children[1:])
 
@@ -183,13 +185,16 @@ class LLMEngine:
             failures[sched.scheduled[0].request_id] = first_error
         else:
             bisect(sched.scheduled)
+        # Decide by user requests, not completions: one request with n = 4 whose sampling
+        # fails is one request failing alone.
+        op = self.output_processor
+        failed = {op.parent_id(cid) for cid in failures}
+        scheduled = {op.parent_id(s.request_id) for s in sched.scheduled}
         real_failures = [e for e in failures.values() if not isinstance(e, InvalidRequestError)]
         self._num_failed_steps = self._num_failed_steps + 1 if real_failures else 0
-        if len(failures) == len(sched.scheduled) and (
-            len(failures) > 1 or self._num_failed_steps >= _MAX_FAILED_STEPS
-        ):
+        if failed == scheduled and (len(failed) > 1 or self._num_failed_steps >= _MAX_FAILED_STEPS):
             raise EngineDeadError(
-                f"every request of the step failed ({len(failures)}): {first_error!r}"
+                f"every request of the step failed ({len(failed)}): {first_error!r}"
             ) from first_error
         for request_id, error in failures.items():
             logger.error("request %s failed in its step: %r", request_id, error, exc_info=error)
@@ -199,11 +204,19 @@ class LLMEngine:
         self, sched: SchedulerOutput, failures: dict[str, BaseException], now: float
     ) -> tuple[SchedulerOutput, list[RequestOutput]]:
         """End the requests that own the failed children (all their completions), free
-        their blocks, and drop them from the step's results."""
+        their blocks, and drop them from the step's results. The blocks they allocated
+        for the step may hold nothing valid: another request of the step that shares one
+        (a same-step prefix hit) goes back to compute its tokens again."""
         op = self.output_processor
         by_parent = {op.parent_id(cid): error for cid, error in failures.items()}
         ended = {cid for parent in by_parent for cid in op.child_ids(parent)}
-        self.scheduler.finish_requests(ended, RequestStatus.FINISHED_ERROR)
+        suspect = self.scheduler.fail_requests(ended)
+        retry = {
+            s.request_id
+            for s in sched.scheduled
+            if s.request_id not in ended and suspect.intersection(s.block_ids)
+        }
+        self.scheduler.recompute_requests(retry)
         outputs, stats = op.fail_requests(
             {
                 parent: (f"the request failed: {error!r}", isinstance(error, InvalidRequestError))
@@ -212,7 +225,7 @@ class LLMEngine:
             now,
         )
         self._record(stats)
-        remaining = [s for s in sched.scheduled if s.request_id not in ended]
+        remaining = [s for s in sched.scheduled if s.request_id not in ended | retry]
         return replace(sched, scheduled=remaining), outputs
 
     def _record(self, stats: IterationStats) -> None:

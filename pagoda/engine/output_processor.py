@@ -124,7 +124,8 @@ class RequestState:
                 prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         else:
             completions = self.completions
-            prompt_logprobs = self.prompt_logprobs
+            # A copy: the reader may be another thread, and chunks still append to it.
+            prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         if not completions and prompt_logprobs is None and not finished:
             return None
         return RequestOutput(
@@ -219,6 +220,8 @@ class OutputProcessor:
             parent_id, index = self.child_to_parent[out.request_id]
             state = self.states[parent_id]
             progressed[parent_id] = state
+            if state.error is not None:  # failed earlier in this step: nothing more counts
+                continue
             try:
                 if self._apply(state, state.completions[index], out, now, stats):
                     stopped.append(out.request_id)

@@ -11,7 +11,9 @@ fail because of what a client sent.
 
 Thread-safety: the Processor keeps its own copy of the tokenizer and no other
 mutable state, so the server runs it on a worker thread (a long prompt never
-blocks the event loop) while the engine thread detokenizes with its own.
+blocks the event loop) while the engine thread detokenizes with its own. (The
+server also decodes single tokens with this copy for logprobs: HF fast
+tokenizers take that concurrently, since nothing changes their settings.)
 """
 
 from __future__ import annotations
@@ -117,8 +119,6 @@ def check_list(value: Any, param: str, max_len: int, allow_empty: bool = False) 
 def check_strings(value: Any, param: str, limits: RequestLimits, max_len: int) -> list[str]:
     """A non-empty string or a list of them (stop strings, bad words)."""
     values = [value] if isinstance(value, str) else check_list(value, param, max_len, True)
-    if len(values) > max_len:
-        _fail(param, f"may hold at most {max_len} entries (has {len(values)})")
     for item in values:
         if not check_text(item, param, limits.max_stop_string_chars):
             _fail(param, "must not hold empty strings")
@@ -231,7 +231,7 @@ class Processor:
                 type(prompt).__name__,
             )
         if token_ids is None:
-            token_ids = self.tokenizer.encode(text)
+            token_ids = self._encode(text, param)
         if not token_ids:
             _fail(param, "must not be empty")
         if truncate_prompt_tokens is not None:
@@ -276,6 +276,17 @@ class Processor:
             _fail(param, "must not be empty")
         return text
 
+    def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The tokenizer's ids for `text`, every one an id the model has (a tokenizer may
+        know more tokens than the model's embedding holds)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if ids and max(ids) >= self.vocab_size:
+            _fail(
+                param,
+                f"holds a token ({max(ids)}) beyond the model's vocabulary ({self.vocab_size})",
+            )
+        return ids
+
     def check_token_ids(self, token_ids: Any, param: str, max_len: int) -> list[int]:
         """A list of token ids, each in [0, vocab_size)."""
         check_list(token_ids, param, max_len, allow_empty=True)
@@ -314,7 +325,7 @@ class Processor:
         except Exception as e:  # the template raised (e.g. roles out of order)
             _fail("messages", f"were refused by the chat template: {e}")
         # The template already holds any special tokens it wants.
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self._encode(text, "messages", add_special_tokens=False)
 
     def _check_message(self, i: int, message: Any) -> dict[str, str]:
         where = f"messages[{i}]"
@@ -405,6 +416,17 @@ class Processor:
                 check_int(getattr(p, name), name, 0, limits.max_logprobs)
         if not isinstance(p.output_kind, RequestOutputKind):
             _fail("output_kind", "must be a RequestOutputKind", p.output_kind)
+        bad_words_token_ids = self._bad_words(bad_words)
+        if p.allowed_token_ids is not None:
+            banned = {w[0] for w in bad_words_token_ids if len(w) == 1}
+            if p.min_tokens > 0:
+                eos = () if p.ignore_eos else self.model_config.eos_token_ids
+                banned |= {*stop_token_ids, *eos}
+            if set(p.allowed_token_ids) <= banned:
+                _fail(
+                    "allowed_token_ids",
+                    "leaves no token to sample: bad_words or min_tokens ban every one",
+                )
         return dataclasses.replace(
             p,
             top_k=-1 if top_k == 0 else top_k,  # 0 also means off, as in vLLM
@@ -414,7 +436,7 @@ class Processor:
             stop_token_ids=stop_token_ids,
             bad_words=bad_words,
             eos_token_ids=self.model_config.eos_token_ids,
-            bad_words_token_ids=self._bad_words(bad_words),
+            bad_words_token_ids=bad_words_token_ids,
         )
 
     def _check_logit_bias(self, logit_bias: Any) -> dict[int, float] | None:
@@ -439,7 +461,7 @@ class Processor:
         out = []
         for word in words or ():
             for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                ids = self._encode(variant, "bad_words", add_special_tokens=False)
                 if ids and ids not in out:
                     out.append(ids)
         return out
@@ -449,7 +471,7 @@ class Processor:
     def tokenize(self, text: Any, add_special_tokens: Any = True) -> list[int]:
         check_text(text, "prompt")
         check_bool(add_special_tokens, "add_special_tokens")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._encode(text, "prompt", add_special_tokens)
 
     def detokenize(self, token_ids: Any) -> str:
         self.check_token_ids(token_ids, "tokens", self.max_model_len * 64)

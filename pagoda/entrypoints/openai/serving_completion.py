@@ -124,7 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_text, prompt_logprobs = await self._echo(output, params)
                 text = prompt_text + text
                 if logprobs is not None:
-                    logprobs = _shifted(prompt_logprobs, logprobs, len(prompt_text))
+                    logprobs = _shifted(prompt_logprobs, logprobs, prompt_text)
             result.append(
                 CompletionChoice(
                     index=index,
@@ -154,8 +154,14 @@ class OpenAIServingCompletion(OpenAIServing):
             ).model_dump()
             return usage.event(body, last)
 
+        # Per prompt, the output that carried its prompt logprobs (they come once, with the
+        # first token of any of its completions): a sibling that starts later echoes from it.
+        prompt_outputs: dict[int, RequestOutput] = {}
         try:
             async for choice, delta, output in choice_deltas(run.streams, params.n, False):
+                if output.prompt_logprobs is not None or choice.prompt_index not in prompt_outputs:
+                    prompt_outputs[choice.prompt_index] = output
+                output = prompt_outputs[choice.prompt_index]
                 usage.num_completion_tokens += len(delta.token_ids)
                 text, offset = delta.text, text_offsets.get(choice.index, 0)
                 logprobs = self._logprobs(delta, params, offset)
@@ -164,7 +170,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_text, prompt_logprobs = await self._echo(output, params)
                     text = prompt_text + text
                     if logprobs is not None:
-                        logprobs = _shifted(prompt_logprobs, logprobs, len(prompt_text))
+                        logprobs = _shifted(prompt_logprobs, logprobs, prompt_text)
                 if logprobs is not None and logprobs.tokens:
                     text_offsets[choice.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 if not (text or delta.finish_reason or (logprobs and logprobs.tokens)):
@@ -196,9 +202,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
 
 def _shifted(
-    prompt: CompletionLogprobs | None, completion: CompletionLogprobs, shift: int
+    prompt: CompletionLogprobs | None, completion: CompletionLogprobs, prompt_text: str
 ) -> CompletionLogprobs:
-    """The echoed prompt's logprobs, then the completion's with offsets moved past it."""
+    """The echoed prompt's logprobs, then the completion's with offsets moved past them:
+    past the prompt tokens' own texts (which may differ from the prompt's, e.g. a BOS)."""
+    shift = len(prompt_text)
+    if prompt is not None and prompt.tokens:
+        shift = prompt.text_offset[-1] + len(prompt.tokens[-1])
     out = prompt or CompletionLogprobs()
     out.tokens += completion.tokens
     out.token_logprobs += completion.token_logprobs
