@@ -1,7 +1,9 @@
 """The quantized-weight kernels against their references, in float64.
 
 - Repacking: GGUF blocks made by the `gguf` package's own quantizer come back, through
-  the PyTorch twin's dequantize, exactly as the package dequantizes them.
+  the PyTorch twin's dequantize, exactly as the package dequantizes them; every other
+  GGUF type (5-bit, K-quants, i-quants) within its stated rounding; fused parts of
+  different formats stack exactly.
 - dequantize (C++) equals the PyTorch twin bit for bit, in float32 and bf16.
 - quant_linear (int8 activations, AVX512-VNNI) equals the same arithmetic done in
   float64: activations quantized per block of 32 exactly as llama.cpp's q8_1, then the
@@ -23,7 +25,9 @@ from pagoda.model_executor.quantization import FORMATS, OFFSETS, QuantizedWeight
 from pagoda.ops import TORCH_OPS, cpu
 
 GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-        "q4_1": GGMLQuantizationType.Q4_1}  # fmt: skip
+        "q4_1": GGMLQuantizationType.Q4_1,
+        "q8_0+m": GGMLQuantizationType.Q5_1}  # q8_0 codes with minimums (from Q5_1)  # fmt: skip
+KERNEL_CASES = (*FORMATS, "q8_0+m")
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int, adversarial: bool = False):
@@ -46,16 +50,80 @@ def kernels_or_skip():
     return module
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_CASES)
 def test_repacked_blocks_dequantize_as_gguf_does(fmt):
     qw, dense = make_weight(fmt, 7, 96, seed=1, adversarial=True)
-    assert qw.shape == (7, 96) and qw.format == fmt
-    assert qw.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt] * 7 * 3  # GGUF's own size
+    assert qw.shape == (7, 96) and qw.format == fmt.removesuffix("+m")
+    assert (qw.m is not None) == (fmt in ("q4_1", "q8_0+m"))
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q8_0+m": 36}[fmt]  # GGUF's own, or 36
+    assert qw.nbytes == size * 7 * 3
     got = TORCH_OPS.dequantize(qw, torch.float32).double().numpy()
     np.testing.assert_array_equal(got, dense)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+_FP16_FIELDS = {"Q8_0": (0, 1), "Q4_0": (0, 1), "Q4_1": (0, 2), "Q5_0": (0, 1), "Q5_1": (0, 2),
+                "Q4_K": (0, 2), "Q5_K": (0, 2),
+                "IQ4_XS": (0, 1), "Q6_K": (-2, 1), "Q3_K": (-2, 1), "Q2_K": (-4, 2)}  # fmt: skip
+_MID_CODE = {"Q4_1": 7.5, "Q5_1": 15.5, "Q4_K": 7.5, "Q5_K": 15.5, "Q2_K": 1.5}
+
+
+def random_blocks(type_name: str, rows: int, k: int, seed: int, scale: float = 0.01) -> np.ndarray:
+    """Raw GGUF blocks of any type: random bytes (every bit pattern is a valid block),
+    with the fp16 scales set to small finite values (minimums centring the codes)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    g = np.random.default_rng(seed)
+    raw = g.integers(0, 256, (rows, k // block_weights, block_bytes), dtype=np.uint8)
+    start, count = _FP16_FIELDS[type_name]  # byte offset and number of fp16 scales
+    halves = g.standard_normal((rows, k // block_weights, count)) * scale
+    if count == 2:  # a minimum (or K-quants' dmin) that centres the codes: no bias
+        mid = _MID_CODE[type_name]
+        halves[..., 1] = halves[..., 0] * (mid if type_name.endswith("_K") else -mid)
+    halves = halves.astype(np.float16)
+    raw[:, :, start : start + 2 * count or None] = halves.view(np.uint8)
+    raw[0, 0] = 0  # a block of zeros: scale 0
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize(
+    "type_name,fmt",
+    [("Q5_0", "q8_0"), ("Q5_1", "q8_0"), ("Q4_K", "q4_1"), ("Q5_K", "q8_0"),
+     ("Q6_K", "q8_0"), ("Q3_K", "q8_0"), ("Q2_K", "q8_0"), ("IQ4_XS", "q8_0")],
+)  # fmt: skip
+def test_every_gguf_type_loads_into_blocks(type_name, fmt):
+    """5-bit and K-quant codes are kept exactly (K-quants' per-32 scale and minimum are
+    rounded once to fp16); other types are requantized to q8_0, within about half its
+    step."""
+    raw = random_blocks(type_name, 6, 512, seed=8)
+    ref = gguf_dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
+    qw = from_gguf(type_name, raw)
+    assert qw.format == fmt and qw.shape == (6, 512)
+    got = TORCH_OPS.dequantize(qw, torch.float32).double().numpy()
+    err = np.abs(got - ref).reshape(6, 16, 32)
+    d = qw.d.double().numpy()[:, :, None]
+    m = qw.m.double().numpy()[:, :, None] if qw.m is not None else 0.0
+    if type_name in ("Q5_0", "Q5_1"):
+        np.testing.assert_array_equal(got, ref)
+    elif type_name in ("Q4_K", "Q5_K"):  # d * code and m, each within fp16's rounding
+        bound = 2.0**-11 * (np.abs(ref.reshape(err.shape)) + 2 * np.abs(m)) * 1.01 + 1e-12
+        assert (err <= bound).all()
+        assert err.max() > 0  # the rounding is real: this checks the bound, not zeros
+    else:
+        # Half a step, plus what rounding the step to fp16 costs the largest code.
+        assert (err <= (0.5 + 127 * 2.0**-11) * np.abs(d) + 1e-12).all()
+    assert got[0, :32].tolist() == ref[0, :32].tolist()
+
+
+def test_fused_parts_of_different_formats_stack_exactly():
+    parts = [make_weight(fmt, 5 + i, 64, seed=20 + i) for i, fmt in enumerate(KERNEL_CASES)]
+    fused = QuantizedWeight.cat([qw for qw, _ in parts])
+    assert fused.format == "q8_0" and fused.m is not None and fused.shape == (26, 64)
+    got = TORCH_OPS.dequantize(fused, torch.float32).double().numpy()
+    np.testing.assert_array_equal(got, np.concatenate([dense for _, dense in parts]))
+
+
+@pytest.mark.parametrize("fmt", KERNEL_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_dequantize_equals_the_twin(fmt, dtype):
     module = kernels_or_skip()
@@ -89,7 +157,7 @@ def reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -
     return y if bias is None else y + bias.double()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 def test_quant_linear_equals_float64(fmt, dtype, rows):
@@ -120,7 +188,7 @@ def test_quant_linear_equals_float64(fmt, dtype, rows):
             assert ((got.double() - exact).abs() <= bound * 1.001 + tol * scale).all()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_CASES)
 def test_ops_quant_linear_both_regimes(fmt):
     """The CPU backend: int8 dot products up to 8 rows, dequantize + GEMM past them; the
     PyTorch twin always dequantizes. All within quantization error of float64."""

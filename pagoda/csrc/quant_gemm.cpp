@@ -5,7 +5,7 @@
 //   qs  uint8 [N, K/32, B]  q4: B = 16, element j in byte j's low nibble, j + 16 in its high
 //                           q8: B = 32, stored + 128 so that every weight byte is unsigned
 //   d   fp16  [N, K/32]     scale
-//   m   fp16  [N, K/32]     q4_1's minimum
+//   m   fp16  [N, K/32]     the block's minimum: always for q4_1, optional otherwise
 //   weight = d * (q - offset) + m      offset: 8 (q4_0), 128 (q8_0), 0 (q4_1)
 //
 // quant_linear (decode, a few rows): the activations are quantized per block of 32 to
@@ -52,7 +52,7 @@ void check_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 2 &&
                   d.size(0) == qs.size(0) && d.size(1) == qs.size(1),
               "d must be a contiguous float16 [N, K/32] tensor");
-  TORCH_CHECK(m.has_value() == (format == kQ4_1), "m is given exactly for q4_1");
+  TORCH_CHECK(m.has_value() || format != kQ4_1, "q4_1 needs its minimums m");
   if (m.has_value())
     TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == at::kHalf && m->is_contiguous(),
                 "m must be like d");

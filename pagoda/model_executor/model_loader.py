@@ -19,7 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagoda.model_executor.quantization import BLOCK, GGUF_TYPES, QuantizedWeight, from_gguf
+from pagoda.model_executor.quantization import (
+    BLOCK,
+    GGUF_PLAIN_TYPES,
+    QuantizedWeight,
+    from_gguf,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -178,8 +183,8 @@ def iter_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face parameter name, weight) for every weight in the checkpoint.
 
-    `quantization`: "none" gives float tensors only; "auto" keeps GGUF tensors that are
-    in a block format pagoda computes on (q8_0, q4_0, q4_1) as `QuantizedWeight`s; a
+    `quantization`: "none" gives float tensors only; "auto" keeps every block-quantized
+    GGUF tensor quantized, as a `QuantizedWeight` (see `from_gguf`); a
     format name (or int8 = q8_0, int4 = q4_1) quantizes the linear and embedding
     weights to it at load (a GGUF file's are dequantized first). Weights matching a `keep_full_precision` pattern (fnmatch
     on the module name, with or without "model.": "lm_head", "layers.0.*") stay floats.
@@ -289,10 +294,15 @@ def _iter_gguf_weights(
             ]
         if (
             keep_quantized
-            and tensor.tensor_type.name in GGUF_TYPES
+            and tensor.tensor_type.name not in GGUF_PLAIN_TYPES
             and not _kept(name, keep_full_precision)
         ):
-            weight = from_gguf(tensor.tensor_type.name, tensor.data)
+            try:
+                weight = from_gguf(tensor.tensor_type.name, tensor.data)
+            except (NotImplementedError, ValueError) as e:
+                raise ValueError(
+                    f"GGUF {path!r}: cannot read {tensor.name} ({tensor.tensor_type.name}): {e}"
+                ) from e
             if rope_heads is not None:  # the same row order as the dequantized path
                 order = _unpermute_rope(np.arange(weight.shape[0]), rope_heads)
                 weight = weight.rows(torch.from_numpy(order))

@@ -1,19 +1,25 @@
-"""Weights kept in GGUF's block formats: q8_0, q4_0, q4_1.
+"""Weights kept in block formats: q8_0, q4_0, q4_1.
 
 A `QuantizedWeight` is an [N, K] matrix stored as blocks of 32 weights along K, one
-fp16 scale each (and a minimum for q4_1), repacked at load into one array per part
-so that each kernel reads its part contiguously:
+fp16 scale each (and a minimum where the source had one), repacked at load into one
+array per part so that each kernel reads its part contiguously:
 
     qs  uint8 [N, K/32, 16]  4-bit: element j of a block in byte j's low nibble,
                              element j + 16 in its high nibble (as GGUF has them)
         uint8 [N, K/32, 32]  8-bit: stored + 128, so every weight byte is unsigned
     d   float16 [N, K/32]    the block's scale
-    m   float16 [N, K/32]    q4_1's block minimum, else None
+    m   float16 [N, K/32]    the block's minimum: always for q4_1, optional for q8_0
+                             (5-bit sources with a minimum), else None
 
     weight = d * (q - offset) + m      offset: 8 (q4_0), 128 (q8_0), 0 (q4_1)
 
-The kernels (pagoda.ops) run linear layers on it directly; nothing is expanded to a
-float matrix in memory except, transiently, for a prefill-sized product.
+Every quantized GGUF type loads into one of them (`from_gguf`): Q8_0, Q4_0, Q4_1 as
+they are; Q5_0, Q5_1, Q4_K and Q5_K exactly (their integer codes kept, K-quants'
+per-32 scales d * sc and minimums dmin * m rounded once to fp16); any other type
+(Q6_K, Q2_K, Q3_K, IQ*) is requantized to q8_0, which adds at most half an 8-bit step
+to each weight. The kernels (pagoda.ops) run linear layers on the blocks directly;
+nothing is expanded to a float matrix in memory except, transiently, for a
+prefill-sized product.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
 _BLOCK_BYTES = {"q8_0": 32, "q4_0": 16, "q4_1": 16}  # qs bytes a block
 # GGUF's raw block: (fp16 fields before the quants, quant bytes)
 _GGUF_LAYOUT = {"Q8_0": ("q8_0", 1, 32), "Q4_0": ("q4_0", 1, 16), "Q4_1": ("q4_1", 2, 16)}
-GGUF_TYPES = tuple(_GGUF_LAYOUT)  # the GGUF tensor types kept quantized
+# GGUF types whose integer codes are kept: (format, code bits, per-32 (d, m) reader)
+_GGUF_RECODED = {"Q5_0": ("q8_0", 5), "Q5_1": ("q8_0", 5), "Q4_K": ("q4_1", 4), "Q5_K": ("q8_0", 5)}
+# GGUF tensor types that hold floats or integers, not blocks: never kept quantized.
+GGUF_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 
 
 @dataclass
@@ -56,20 +65,43 @@ class QuantizedWeight:
         m = self.m[index] if self.m is not None else None
         return QuantizedWeight(self.format, self.qs[index], self.d[index], m)
 
+    def widened(self) -> QuantizedWeight:
+        """The same weights in q8_0 (exact: a 4-bit code is an 8-bit one)."""
+        if self.format == "q8_0":
+            return self
+        codes = torch.cat((self.qs & 0x0F, self.qs >> 4), -1).to(torch.int16)
+        qs = (codes - OFFSETS[self.format] + OFFSETS["q8_0"]).to(torch.uint8)
+        return QuantizedWeight("q8_0", qs, self.d, self.m)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Stack weights of one format along N (fused q/k/v, gate/up)."""
-        formats = {p.format for p in parts}
-        if len(formats) != 1:
-            raise ValueError(f"cannot fuse weights of formats {sorted(formats)}")
-        m = torch.cat([p.m for p in parts]) if parts[0].m is not None else None
+        """Stack weights along N (fused q/k/v, gate/up); parts of different formats
+        (a Q4_K file's q with its Q6_K v) are all widened to q8_0 first."""
+        if len({p.format for p in parts}) > 1:
+            parts = [p.widened() for p in parts]
+        m = None
+        if any(p.m is not None for p in parts):
+            m = torch.cat([p.m if p.m is not None else torch.zeros_like(p.d) for p in parts])
         return QuantizedWeight(
             parts[0].format, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m
         )
 
 
 def from_gguf(type_name: str, data: np.ndarray) -> QuantizedWeight:
-    """A GGUF tensor's raw blocks (uint8 [rows, blocks * block bytes]) repacked."""
+    """A GGUF tensor's raw blocks (uint8 [rows, blocks * block bytes]) as pagoda's blocks."""
+    if type_name in _GGUF_LAYOUT:
+        return _repack(type_name, data)
+    if type_name in _GGUF_RECODED:
+        return _recode(type_name, data)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    ggml_type = GGMLQuantizationType[type_name]
+    w = dequantize(np.ascontiguousarray(data), ggml_type).astype(np.float32, copy=False)
+    return _repack("Q8_0", quantize(w, GGMLQuantizationType.Q8_0))
+
+
+def _repack(type_name: str, data: np.ndarray) -> QuantizedWeight:
     fmt, num_halves, quant_bytes = _GGUF_LAYOUT[type_name]
     rows = data.shape[0]
     raw = np.ascontiguousarray(data).reshape(rows, -1, 2 * num_halves + quant_bytes)
@@ -80,3 +112,42 @@ def from_gguf(type_name: str, data: np.ndarray) -> QuantizedWeight:
     d = torch.from_numpy(np.ascontiguousarray(halves[:, :, 0]))
     m = torch.from_numpy(np.ascontiguousarray(halves[:, :, 1])) if num_halves == 2 else None
     return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(qs)), d, m)
+
+
+def _recode(type_name: str, data: np.ndarray) -> QuantizedWeight:
+    """Q5_0/Q5_1/Q4_K/Q5_K: each 32 weights' scale and minimum read from the blocks, the
+    integer codes recovered from the `gguf` package's own dequantization (exactly: a
+    code times its scale is exact in float32, and the division is rounded)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import Q4_K, dequantize
+
+    fmt, _ = _GGUF_RECODED[type_name]
+    ggml_type = GGMLQuantizationType[type_name]
+    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    rows = data.shape[0]
+    raw = np.ascontiguousarray(data).reshape(rows, -1, block_bytes)
+    halves = raw[:, :, :4].copy().view(np.float16).astype(np.float64)  # [rows, blocks, 2]
+    if block_weights == BLOCK:  # Q5_0: d; Q5_1: d, m
+        d = halves[:, :, 0]
+        m = halves[:, :, 1] if type_name == "Q5_1" else np.zeros_like(d)
+    else:  # Q4_K, Q5_K: super-blocks of 8 x 32, 6-bit scales and minimums
+        sc, mn = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))
+        sc = sc.reshape(rows, -1, 8).astype(np.float64)
+        mn = mn.reshape(rows, -1, 8).astype(np.float64)
+        # The same float32 products the gguf package (and llama.cpp) dequantize with.
+        d = (halves[:, :, :1].astype(np.float32) * sc.astype(np.float32)).reshape(rows, -1)
+        m = -(halves[:, :, 1:].astype(np.float32) * mn.astype(np.float32)).reshape(rows, -1)
+    w = dequantize(raw.reshape(rows, -1), ggml_type).reshape(rows, -1, BLOCK)
+    safe_d = np.where(d == 0, 1.0, d)[:, :, None]
+    codes = np.rint((w.astype(np.float64) - m[:, :, None]) / safe_d)
+    codes = np.where(d[:, :, None] == 0, 0.0, codes)
+    d16 = torch.from_numpy(d.astype(np.float16))
+    m16 = torch.from_numpy(m.astype(np.float16)) if np.any(m) else None
+    if fmt == "q4_1":
+        codes = codes.astype(np.uint8)
+        qs = codes[:, :, :16] | (codes[:, :, 16:] << 4)
+        return QuantizedWeight(
+            fmt, torch.from_numpy(qs), d16, m16 if m16 is not None else torch.zeros_like(d16)
+        )
+    qs = (codes + OFFSETS["q8_0"]).astype(np.uint8)
+    return QuantizedWeight(fmt, torch.from_numpy(qs), d16, m16)

@@ -147,8 +147,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Load Hugging Face-named weights: dense tensors (stored in `dtype`) or block-
         quantized ones (kept so, see QuantizedWeight). q/k/v and gate/up are fused from
-        their parts once all have come; fused parts stay quantized when they share a
-        format, else they are dequantized.
+        their parts once all have come; fused parts stay quantized (in q8_0 when
+        their formats differ).
 
         Raises ValueError naming any parameter left unloaded or of the wrong shape.
         """
@@ -222,11 +222,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(part.shape) != want:
                 raise ValueError(f"weight {name!r} has shape {tuple(part.shape)}, expected {want}.")
         quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
-        if (
-            attr == "weight"
-            and len(quantized) == len(parts)
-            and len({p.format for p in parts}) == 1
-        ):
+        if attr == "weight" and len(quantized) == len(parts):
             weight = parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
             if isinstance(module, Linear):
                 module.set_quantized(weight)
