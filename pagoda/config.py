@@ -18,10 +18,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 KERNEL_BACKENDS = ("auto", "torch", "cpu")  # as pagoda.ops has them (no torch here)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# "auto": keep weights in the block format the checkpoint has them in (GGUF q8_0/q4_0/q4_1);
-# "none": expand every weight to the model's dtype at load; a format (int8 = q8_0,
-# int4 = q4_1): quantize a float checkpoint's linear and embedding weights at load.
-QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "int8", "int4")
+# "auto": keep a GGUF file's block-quantized weights quantized; "none": expand every
+# weight to the model's dtype at load; a format (q8_0, q4_0, q4_1, int8 = q8_0,
+# int4 = q4_1, or w8a8: int8 per output channel with activations quantized per row)
+# quantizes a float checkpoint's linear and embedding weights at load.
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ModelConfig:
     kernel_backend: str  # "auto" | "torch" (PyTorch alone) | "cpu" (the C++ kernels, required)
     quantization: str  # see QUANTIZATIONS
     keep_full_precision: tuple[str, ...]  # module-name patterns that stay unquantized
-    int8_activations: bool  # quantized linears at small batch quantize activations to int8
+    int8_activations: bool  # quantized linears quantize their activations to int8
     max_model_len: int
     max_model_len_is_default: bool
     eos_token_ids: tuple[int, ...]

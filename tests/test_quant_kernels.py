@@ -202,3 +202,66 @@ def test_ops_quant_linear_both_regimes(fmt):
             exact = x.double() @ torch.from_numpy(dense).T
             assert got.shape == (rows, 96)
             assert (got - exact).norm() / exact.norm() < 0.03
+
+
+# ---- w8a8: int8 weights per channel, activations per row --------------------------------
+
+
+def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None):
+    """The kernels' arithmetic in float64: s_x = max|x| / 127 per row, q_x = round(x / s_x)
+    (ties to even), y = s_x s_w (q_x @ q_w^T) + bias."""
+    xf = x.double()
+    sx = xf.abs().amax(1, keepdim=True) / 127.0
+    qx = torch.round(xf / torch.where(sx > 0, sx, 1.0))
+    y = (qx @ qw.qs.double().T) * sx * qw.d.double().unsqueeze(0)
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])  # VNNI dot products, then oneDNN's int GEMM
+def test_w8a8_linear_equals_float64(dtype, rows):
+    from pagoda.model_executor.quantization import quantize_per_channel
+
+    module = kernels_or_skip()
+    run = module.int8_linear_small if rows <= cpu.INT8_SMALL_MAX_ROWS else module.int8_linear_large
+    if run is module.int8_linear_small and not module.int8_linear_small_available():
+        pytest.skip("no AVX512-VNNI")
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((37, 576), (70, 100), (5, 64)):  # k = 100: a tail shorter than a 64-byte load
+        w = torch.randn(n, k, generator=g) * 0.05
+        w[0] = 0.0  # a zero row: scale 0
+        w[1, 3] = 4.0  # an outlier in a row
+        qw = quantize_per_channel(w)
+        assert qw.shape == (n, k) and qw.qs.dtype == torch.int8 and qw.d.shape == (n,)
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        x[0] = 0.0  # a zero activation row
+        if rows > 1:
+            x[1, 7] = 300.0  # a loud channel
+        bias = torch.randn(n, generator=g).to(dtype)
+        for b in (None, bias):
+            got = run(x.contiguous(), qw.qs, qw.d, b)
+            assert got.shape == (rows, n) and got.dtype == dtype
+            want = w8a8_reference(x, qw, b)
+            tol = 2**-7 if dtype == torch.bfloat16 else 1e-5  # the output's rounding
+            scale = want.abs().max().item() + 1.0
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
+
+
+def test_w8a8_through_the_ops_in_every_regime():
+    """cpu ops: VNNI (<= 8 rows), integer GEMM (<= 256), dequantize + bf16 GEMM past
+    that, and float activations: all within quantization error of the float product."""
+    from pagoda.model_executor.quantization import quantize_per_channel
+
+    if cpu.load() is None:
+        pytest.skip("no C++ toolchain")
+    w = torch.randn(96, 192) * 0.05
+    qw = quantize_per_channel(w)
+    dense = TORCH_OPS.dequantize(qw, torch.float64)
+    np.testing.assert_allclose(dense.numpy(), w.double().numpy(), atol=qw.d.max().item() / 2 + 1e-9)
+    for ops in (cpu.cpu_ops(torch.bfloat16), cpu.cpu_ops(torch.bfloat16, False), TORCH_OPS):
+        for rows in (1, 8, 9, 256, 300):
+            x = torch.randn(rows, 192).bfloat16()
+            got = ops.quant_linear(x, qw, None).double()
+            exact = x.double() @ dense.T
+            assert got.shape == (rows, 96)
+            assert (got - exact).norm() / exact.norm() < 0.02

@@ -94,6 +94,39 @@ def test_int8_activations_agree_with_the_float_path(tiny_llama):
     assert share >= 0.9, share
 
 
+def test_w8a8_at_load(tiny_llama):
+    """w8a8 (int8 per channel): with float activations, greedy outputs equal HF's on the
+    same per-channel dequantized weights; with int8 activations per row (the fast path),
+    at least 90% of tokens agree with the float path on their own prefixes."""
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.model_executor.quantization import quantize_per_channel
+    from pagoda.ops import TORCH_OPS
+
+    def engine(int8: bool) -> LLM:
+        return LLM(tiny_llama, dtype="float32", quantization="w8a8", int8_activations=int8,
+                   kv_cache_memory_bytes=1 << 24)  # fmt: skip
+
+    float_path = engine(False)
+    assert set(quantized_modules(float_path).values()) == {"w8a8"}
+    prompts = tiny_prompts(float_path.get_tokenizer(), n=8, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    outs = float_path.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for w in hf.state_dict().values():
+        if w.dim() == 2:
+            w.copy_(TORCH_OPS.dequantize(quantize_per_channel(w), torch.float32))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                              min_new_tokens=16, do_sample=False)  # fmt: skip
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+    fast = engine(True).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    share = agreement_on_prefixes(float_path, prompts, [o.outputs[0].token_ids for o in fast])
+    assert share >= 0.9, share
+
+
 def _tokenizer(folder):
     from transformers import AutoTokenizer
 

@@ -15,6 +15,12 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional
                         int64_t format, c10::optional<at::Tensor> bias);
 at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
                       at::ScalarType dtype, c10::optional<at::Tensor> out_buffer);
+bool int8_linear_small_available();
+at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
+                             c10::optional<at::Tensor> bias);
+at::Tensor int8_linear_large(at::Tensor x, at::Tensor w, at::Tensor w_scale,
+                             c10::optional<at::Tensor> bias);
+void int8_dequantize(at::Tensor w, at::Tensor w_scale, at::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)",
@@ -31,4 +37,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "A block-quantized weight as a float matrix (CPU)",
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("format"), py::arg("dtype"),
         py::arg("out_buffer") = py::none());
+  m.def("int8_linear_small_available", &int8_linear_small_available,
+        "Whether int8_linear_small was built (AVX512-VNNI)");
+  m.def("int8_linear_small", &int8_linear_small,
+        "W8A8 y = x @ w.T, a few rows: per-row int8 activations, VNNI dot products (CPU)");
+  m.def("int8_linear_large", &int8_linear_large,
+        "W8A8 y = x @ w.T, many rows: per-row int8 activations, oneDNN integer GEMM (CPU)");
+  m.def("int8_dequantize", &int8_dequantize, "out = w * w_scale[:, None], per-channel int8 (CPU)");
 }

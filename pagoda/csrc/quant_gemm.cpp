@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -63,15 +65,7 @@ inline float half_to_float(at::Half h) { return static_cast<float>(h); }
 // ---- dequantize ----------------------------------------------------------------------
 
 #if defined(__AVX512F__)
-inline void store(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
-inline void store(at::BFloat16* o, __m512 v) {
-  // Round to nearest even, as c10::BFloat16 does (NaN never occurs: finite inputs).
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
+using pagoda_simd::store16;
 // value = q * scale + shift, shift = m - offset * scale: q * scale is exact (an 8-bit
 // integer times an fp16 scale), so one rounding, as in the PyTorch twin.
 template <typename T>
@@ -91,11 +85,11 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, in
       if (format == kQ8_0) {
         const __m512i second =
             _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-        store(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), sv, hv));
-        store(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), sv, hv));
+        store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), sv, hv), 0xFFFF);
+        store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), sv, hv), 0xFFFF);
       } else {  // elements 0..15 in the low nibbles, 16..31 in the high ones
-        store(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(first, low)), sv, hv));
-        store(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4)), sv, hv));
+        store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(first, low)), sv, hv), 0xFFFF);
+        store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4)), sv, hv), 0xFFFF);
       }
     }
   }

@@ -24,6 +24,7 @@ from pagoda.model_executor.quantization import (
     GGUF_PLAIN_TYPES,
     QuantizedWeight,
     from_gguf,
+    quantize_per_channel,
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -170,8 +171,11 @@ def load_generation_config(
 # ---- weights ---------------------------------------------------------------------
 
 
-# --quantization for weights that come as floats: the block format each is quantized to.
-QUANTIZE_AT_LOAD = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "int8": "Q8_0", "int4": "Q4_1"}
+# --quantization for weights that come as floats: the format each is quantized to (a
+# GGUF block type, by the gguf package's quantizer, or w8a8: int8 per channel).
+QUANTIZE_AT_LOAD = {
+    "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "int8": "Q8_0", "int4": "Q4_1", "w8a8": "w8a8",
+}  # fmt: skip
 
 
 def iter_weights(
@@ -185,7 +189,7 @@ def iter_weights(
 
     `quantization`: "none" gives float tensors only; "auto" keeps every block-quantized
     GGUF tensor quantized, as a `QuantizedWeight` (see `from_gguf`); a
-    format name (or int8 = q8_0, int4 = q4_1) quantizes the linear and embedding
+    format name (int8 = q8_0, int4 = q4_1; w8a8: int8 per channel) quantizes the linear and embedding
     weights to it at load (a GGUF file's are dequantized first). Weights matching a `keep_full_precision` pattern (fnmatch
     on the module name, with or without "model.": "lm_head", "layers.0.*") stay floats.
     """
@@ -211,7 +215,10 @@ def _kept(name: str, patterns: Sequence[str]) -> bool:
 
 
 def _quantize(w: torch.Tensor, ggml_type: str) -> QuantizedWeight:
-    """A float weight in a GGUF block format, by the `gguf` package's own quantizer."""
+    """A float weight in a GGUF block format, by the `gguf` package's own quantizer, or
+    in int8 per channel (w8a8)."""
+    if ggml_type == "w8a8":
+        return quantize_per_channel(w)
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 

@@ -1,4 +1,4 @@
-"""Weights kept in block formats: q8_0, q4_0, q4_1.
+"""Quantized weights: the block formats q8_0, q4_0, q4_1, and w8a8 (int8 per channel).
 
 A `QuantizedWeight` is an [N, K] matrix stored as blocks of 32 weights along K, one
 fp16 scale each (and a minimum where the source had one), repacked at load into one
@@ -12,6 +12,11 @@ array per part so that each kernel reads its part contiguously:
                              (5-bit sources with a minimum), else None
 
     weight = d * (q - offset) + m      offset: 8 (q4_0), 128 (q8_0), 0 (q4_1)
+
+`w8a8` is W8A8 as vLLM has it (without SmoothQuant's calibration), made at load from
+float weights: qs int8 [N, K], d float32 [N] (one scale per output channel),
+weight = d * q; its kernels quantize the activations per row (not per block of 32)
+and multiply integers, which oneDNN's integer GEMM can do for large batches.
 
 Every quantized GGUF type loads into one of them (`from_gguf`): Q8_0, Q4_0, Q4_1 as
 they are; Q5_0, Q5_1, Q4_K and Q5_K exactly (their integer codes kept, K-quants'
@@ -30,7 +35,8 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per block, every format
-FORMATS = ("q8_0", "q4_0", "q4_1")  # index = the C++ kernels' format code
+FORMATS = ("q8_0", "q4_0", "q4_1")  # block formats; index = the C++ kernels' format code
+PER_CHANNEL = "w8a8"
 OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
 _BLOCK_BYTES = {"q8_0": 32, "q4_0": 16, "q4_1": 16}  # qs bytes a block
 # GGUF's raw block: (fp16 fields before the quants, quant bytes)
@@ -50,6 +56,8 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.format == PER_CHANNEL:
+            return self.qs.shape[0], self.qs.shape[1]
         return self.qs.shape[0], self.qs.shape[1] * BLOCK
 
     @property
@@ -69,6 +77,8 @@ class QuantizedWeight:
         """The same weights in q8_0 (exact: a 4-bit code is an 8-bit one)."""
         if self.format == "q8_0":
             return self
+        if self.format == PER_CHANNEL:
+            raise ValueError("w8a8 (per-channel) weights cannot be fused with block formats")
         codes = torch.cat((self.qs & 0x0F, self.qs >> 4), -1).to(torch.int16)
         qs = (codes - OFFSETS[self.format] + OFFSETS["q8_0"]).to(torch.uint8)
         return QuantizedWeight("q8_0", qs, self.d, self.m)
@@ -85,6 +95,14 @@ class QuantizedWeight:
         return QuantizedWeight(
             parts[0].format, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m
         )
+
+
+def quantize_per_channel(w: torch.Tensor) -> QuantizedWeight:
+    """A float [N, K] weight as int8 with one scale per row: d = max|w| / 127."""
+    w = w.float()
+    d = w.abs().amax(dim=1) / 127.0
+    q = torch.round(w / torch.where(d > 0, d, 1.0).unsqueeze(1)).to(torch.int8)
+    return QuantizedWeight(PER_CHANNEL, q.contiguous(), d.contiguous())
 
 
 def from_gguf(type_name: str, data: np.ndarray) -> QuantizedWeight:

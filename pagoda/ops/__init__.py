@@ -3,7 +3,9 @@
     primitive         PyTorch twin (torch_ops)      CPU kernel (cpu, C++)
     linear            F.linear                      small_gemm up to 8 bf16 rows (AVX512-BF16)
     quant_linear      dequantize, then F.linear     int8 dot products on the blocks up to a few
-                                                    rows (AVX512-VNNI); past that, dequantize
+                                                    rows (AVX512-VNNI); past that, dequantize;
+                                                    int8 per-channel weights: W8A8, VNNI dot
+                                                    products or oneDNN's integer GEMM
     dequantize        float math on the blocks      one pass
     rms_norm          float32 math                  one pass
     add_rms_norm      x + residual, then norm       one pass, in place

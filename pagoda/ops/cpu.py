@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from pagoda.model_executor.quantization import QuantizedWeight
+from pagoda.model_executor.quantization import PER_CHANNEL, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ _SOURCES = [
         "small_gemm.cpp",
         "fused_ops.cpp",
         "quant_gemm.cpp",
+        "w8a8_gemm.cpp",
     )
 ]
 
@@ -71,7 +72,7 @@ SMALL_GEMM_MAX_ROWS = 8
 def bucket_rows(num_rows: int) -> int:
     """`num_rows` rounded up to one of a few dozen sizes (at most 12.5% more, plus 7).
 
-    oneDNN compiles a bf16 GEMM kernel for every distinct M it sees and keeps it: a
+    oneDNN compiles a GEMM kernel (bf16, int8) for every distinct M it sees and keeps it: a
     server whose steps have ever-new token counts grew by 0.7 MiB per new M and
     weight shape (measured: 1,500 distinct M on one 1536x576 weight, +1 GiB RSS;
     bucketed, +54 MiB and flat). fp32 goes to MKL, which does not grow.
@@ -80,11 +81,30 @@ def bucket_rows(num_rows: int) -> int:
     return -(-num_rows // step) * step
 
 
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, in] with zero rows appended up to bucket_rows(M) (the caller keeps [:M])."""
+    num_rows = x.shape[0]
+    rows = bucket_rows(num_rows)
+    if rows == num_rows:
+        return x
+    padded = x.new_empty(rows, x.shape[1])
+    padded[:num_rows] = x
+    padded[num_rows:].zero_()
+    return padded
+
+
 # Up to this many rows, quantized linears run on the blocks (int8 activations); past it
 # the weight is dequantized and oneDNN's GEMM runs on it. The crossover, measured on
 # SmolLM2's 30 q4_1 layers (Sapphire Rapids, 2 threads): 3.2 ms at one row, 20 ms at
 # 16 rows either way, then 39 vs 22 ms at 32.
 QUANT_LINEAR_MAX_ROWS = 16
+# w8a8 weights: VNNI dot products up to this many rows, oneDNN's integer GEMM past
+# it. Measured on SmolLM2's 30 layers (Sapphire Rapids, 2 threads): 12.4 vs 13.0 ms at
+# 8 rows, 17.1 vs 13.7 at 16 (bf16: 28.9 and 23.6). Past W8A8_INT_MAX_ROWS the weight is
+# dequantized for oneDNN's bf16 GEMM, which is faster there: 39 vs 49 ms at 128 rows,
+# 144 vs 140 at 512, 487 vs 215 at 2,048.
+INT8_SMALL_MAX_ROWS = 8
+W8A8_INT_MAX_ROWS = 256
 
 
 def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
@@ -102,33 +122,42 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
             num_rows = x.shape[0]
             if small_gemm is not None and num_rows <= SMALL_GEMM_MAX_ROWS:
                 return small_gemm(x, weight, bias)
-            rows = bucket_rows(num_rows)
-            if rows != num_rows:  # [rows, in], the padding zeroed; only [:num_rows] is kept
-                padded = x.new_empty(rows, x.shape[1])
-                padded[:num_rows] = x
-                padded[num_rows:].zero_()
-                x = padded
-            return torch_ops.linear(x, weight, bias)[:num_rows]
+            return torch_ops.linear(pad_rows(x), weight, bias)[:num_rows]
 
     def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+        if weight.format == PER_CHANNEL:
+            return torch_ops.dequantize(weight, out_dtype)
         return module.dequantize(weight.qs, weight.d, weight.m, weight.format_code, out_dtype)
 
     on_blocks = int8_activations and module.quant_linear_available()
+    int8_small = int8_activations and module.int8_linear_small_available()
     # Where large-batch products dequantize their weight: one buffer, reused, so that a
     # weight's worth of fresh pages is not faulted in at every call (most of the cost).
     scratch: dict[torch.dtype, torch.Tensor] = {}
 
     def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
-        if on_blocks and x.shape[0] <= QUANT_LINEAR_MAX_ROWS:
+        if weight.format == PER_CHANNEL and int8_activations:
+            x = x.contiguous()
+            if int8_small and x.shape[0] <= INT8_SMALL_MAX_ROWS:
+                return module.int8_linear_small(x, weight.qs, weight.d, bias)
+            if x.shape[0] <= W8A8_INT_MAX_ROWS:
+                # Bucketed rows, as for bf16: oneDNN keeps an integer kernel per distinct M.
+                y = module.int8_linear_large(pad_rows(x), weight.qs, weight.d, bias)
+                return y[: x.shape[0]]
+        if on_blocks and weight.format != PER_CHANNEL and x.shape[0] <= QUANT_LINEAR_MAX_ROWS:
             code = weight.format_code
             return module.quant_linear(x.contiguous(), weight.qs, weight.d, weight.m, code, bias)
         numel = weight.shape[0] * weight.shape[1]
         buffer = scratch.get(x.dtype)
         if buffer is None or buffer.numel() < numel:
             buffer = scratch[x.dtype] = torch.empty(numel, dtype=x.dtype)
-        dense = module.dequantize(
-            weight.qs, weight.d, weight.m, weight.format_code, x.dtype, buffer
-        )
+        if weight.format == PER_CHANNEL:
+            dense = buffer[:numel].view(weight.shape)
+            module.int8_dequantize(weight.qs, weight.d, dense)
+        else:
+            dense = module.dequantize(
+                weight.qs, weight.d, weight.m, weight.format_code, x.dtype, buffer
+            )
         return linear(x, dense, bias)
 
     def add_rms_norm(x, residual, weight, eps):

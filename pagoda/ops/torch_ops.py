@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.attention.kv_cache import dequantize_kv, gather
-from pagoda.model_executor.quantization import OFFSETS, QuantizedWeight
+from pagoda.model_executor.quantization import OFFSETS, PER_CHANNEL, QuantizedWeight
 
 linear = F.linear  # (x [T, in], weight [out, in], bias [out] | None) -> [T, out]
 
@@ -71,8 +71,10 @@ def decode_attention(
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """A block-quantized [N, K] weight as a float matrix in `dtype`."""
+    """A quantized [N, K] weight as a float matrix in `dtype`."""
     qs = weight.qs
+    if weight.format == PER_CHANNEL:
+        return (qs.float() * weight.d.unsqueeze(1)).to(dtype)
     q = qs.float() if weight.format == "q8_0" else torch.cat((qs & 0x0F, qs >> 4), -1).float()
     d = weight.d.float().unsqueeze(-1)  # [N, nb, 1]
     w = (q - OFFSETS[weight.format]) * d  # exact: an 8-bit integer times an fp16 scale
@@ -84,5 +86,6 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
 def quant_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ dequantize(weight).T + bias, activations as they are (W4A16 / W8A16)."""
+    """x @ dequantize(weight).T + bias, activations as they are (W4A16 / W8A16; the C++
+    kernels quantize them)."""
     return F.linear(x, dequantize(weight, x.dtype), bias)

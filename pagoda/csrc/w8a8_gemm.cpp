@@ -1,0 +1,242 @@
+// W8A8 linear layers: int8 weights with one float scale per output channel, the
+// activations quantized to int8 per row at run time (SmoothQuant's and vLLM's W8A8):
+//
+//   y[i, n] = s_x[i] s_w[n] sum_k q_x[i, k] q_w[n, k]  (+ bias[n])
+//   s_x[i] = max_k |x[i, k]| / 127,   q_x = round(x / s_x)
+//
+// int8_linear_small (decode, a few rows): AVX512-VNNI's vpdpbusd multiplies unsigned by
+// signed bytes, so the activations go in shifted to unsigned (q_x + 128) and the shift
+// is taken back with the weight row's sum, itself a vpdpbusd against ones in the same
+// pass: sum_k (q_x + 128) q_w - 128 sum_k q_w. Each weight byte is read once, the sums
+// stay integers until one scale per output.
+//
+// int8_linear_large (prefill, big batches): the same quantization, then oneDNN's integer
+// GEMM (at::_int_mm: AMX-INT8 or VNNI where the CPU has them) and one pass applying
+// the scales and bias.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGODA_HAS_VNNI 1
+#endif
+
+namespace {
+
+void check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "w must be a contiguous int8 [N, K] tensor");
+  TORCH_CHECK(w.size(1) == x.size(1), "x has ", x.size(1), " columns; the weight takes ", w.size(1));
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  w_scale.size(0) == w.size(0),
+              "w_scale must be a contiguous float32 [N] tensor");
+}
+
+// One row of x as int8 codes, returning its scale: into q_u8 shifted by 128 (for
+// vpdpbusd's unsigned operand) or into q_s8 as they are, whichever is given.
+template <typename T>
+float quantize_row(const T* x, int64_t K, uint8_t* q_u8, int8_t* q_s8) {
+#if defined(__AVX512F__)
+  using namespace pagoda_simd;
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + k, tail_mask(K - k))));
+  const float scale = _mm512_reduce_max_ps(vmax) / 127.f;
+  const __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = tail_mask(K - k);
+    // Round to nearest even (the default MXCSR mode), as std::nearbyint.
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + k, mask), inv));
+    if (q_u8 != nullptr)
+      _mm_mask_storeu_epi8(q_u8 + k, mask, _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(128))));
+    if (q_s8 != nullptr) _mm_mask_storeu_epi8(q_s8 + k, mask, _mm512_cvtepi32_epi8(v));
+  }
+  return scale;
+#else
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
+  const float scale = amax / 127.f;
+  const float inv = scale != 0.f ? 1.f / scale : 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[k]) * inv));  // ties to even
+    if (q_u8 != nullptr) q_u8[k] = static_cast<uint8_t>(v + 128);
+    if (q_s8 != nullptr) q_s8[k] = static_cast<int8_t>(v);
+  }
+  return scale;
+#endif
+}
+
+// y[n] = acc[n] * sx * sw[n] + bias[n], in y's dtype.
+template <typename Tout>
+void store_row(Tout* y, const int32_t* acc, float sx, const float* sw, const float* bias, int64_t N) {
+#if defined(__AVX512F__)
+  using namespace pagoda_simd;
+  const __m512 vsx = _mm512_set1_ps(sx);
+  for (int64_t n = 0; n < N; n += 16) {
+    const __mmask16 mask = tail_mask(N - n);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, acc + n));
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    store16(y + n, _mm512_fmadd_ps(_mm512_mul_ps(a, vsx), _mm512_maskz_loadu_ps(mask, sw + n), b), mask);
+  }
+#else
+  for (int64_t n = 0; n < N; ++n) {
+    const float v = static_cast<float>(acc[n]) * sx * sw[n] + (bias != nullptr ? bias[n] : 0.f);
+    y[n] = static_cast<Tout>(v);
+  }
+#endif
+}
+
+#ifdef PAGODA_HAS_VNNI
+// Rows [n0, n1) of the integer sums for activation rows mi..mi+MT.
+template <int64_t MT>
+void dot_rows(const uint8_t* xq, int64_t kpad, const int8_t* w, int64_t K, int32_t* acc_out,
+              int64_t N, int64_t mi, int64_t n0, int64_t n1) {
+  const int64_t chunks = kpad / 64;
+  const __mmask64 tail = K % 64 == 0 ? ~0ULL : (~0ULL) >> (64 - K % 64);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wrow = w + n * K;
+    __m512i acc[MT];
+    for (int64_t t = 0; t < MT; ++t) acc[t] = _mm512_setzero_si512();
+    __m512i wsum = _mm512_setzero_si512();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i wv = c + 1 < chunks || K % 64 == 0 ? _mm512_loadu_si512(wrow + c * 64)
+                                                       : _mm512_maskz_loadu_epi8(tail, wrow + c * 64);
+      wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+      for (int64_t t = 0; t < MT; ++t)
+        acc[t] = _mm512_dpbusd_epi32(acc[t], _mm512_loadu_si512(xq + (mi + t) * kpad + c * 64), wv);
+    }
+    const int32_t shift = 128 * _mm512_reduce_add_epi32(wsum);
+    for (int64_t t = 0; t < MT; ++t) acc_out[(mi + t) * N + n] = _mm512_reduce_add_epi32(acc[t]) - shift;
+  }
+}
+#endif
+
+template <typename T>
+at::Tensor small_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                      const float* bias) {
+#ifdef PAGODA_HAS_VNNI
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t kpad = (K + 63) / 64 * 64;
+  std::vector<uint8_t> xq(M * kpad, 128);  // padding: code 0, against masked-off weights
+  std::vector<float> sx(M);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < M; ++i) sx[i] = quantize_row(xp + i * K, K, xq.data() + i * kpad, nullptr);
+  std::vector<int32_t> acc(M * N);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) dot_rows<4>(xq.data(), kpad, wp, K, acc.data(), N, i, n0, n1);
+    for (; i + 2 <= M; i += 2) dot_rows<2>(xq.data(), kpad, wp, K, acc.data(), N, i, n0, n1);
+    for (; i < M; ++i) dot_rows<1>(xq.data(), kpad, wp, K, acc.data(), N, i, n0, n1);
+  });
+  auto y = at::empty({M, N}, x.options());
+  for (int64_t i = 0; i < M; ++i)
+    store_row(y.data_ptr<T>() + i * N, acc.data() + i * N, sx[i], w_scale.data_ptr<float>(), bias, N);
+  return y;
+#else
+  TORCH_CHECK(false, "int8_linear_small needs AVX512-VNNI; use int8_linear_large");
+#endif
+}
+
+template <typename T>
+at::Tensor large_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                      const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  std::vector<float> sx(M);
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) sx[i] = quantize_row(xp + i * K, K, nullptr, qp + i * K);
+  });
+  const at::Tensor acc = at::_int_mm(xq, w.t());  // int32 [M, N]
+  auto y = at::empty({M, N}, x.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  T* yp = y.data_ptr<T>();
+  const float* sw = w_scale.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) store_row(yp + i * N, ap + i * N, sx[i], sw, bias, N);
+  });
+  return y;
+}
+
+template <typename Fn>
+at::Tensor dispatch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                    const c10::optional<at::Tensor>& bias, Fn&& fn) {
+  check_args(x, w, w_scale);
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  return fn(bp);
+}
+
+template <typename T>
+void dequantize_rows(const int8_t* q, const float* scale, T* out, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+#if defined(__AVX512F__)
+    using namespace pagoda_simd;
+    const __m512 s = _mm512_set1_ps(scale[n]);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = tail_mask(K - k);
+      const __m512i v = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q + n * K + k));
+      store16(out + n * K + k, _mm512_mul_ps(_mm512_cvtepi32_ps(v), s), mask);
+    }
+#else
+    for (int64_t k = 0; k < K; ++k) out[n * K + k] = static_cast<T>(q[n * K + k] * scale[n]);
+#endif
+  }
+}
+
+}  // namespace
+
+// w as a float matrix (q * scale, one rounding) in out [N, K] (float32 or bfloat16):
+// for batches large enough that the bf16 GEMM beats the integer one.
+void int8_dequantize(at::Tensor w, at::Tensor w_scale, at::Tensor out) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "w: int8 [N, K]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == w.size(0), "w_scale: float32 [N]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == w.sizes() &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "out: a contiguous float32 or bfloat16 tensor shaped like w");
+  const int64_t K = w.size(1);
+  at::parallel_for(0, w.size(0), 16, [&](int64_t n0, int64_t n1) {
+    if (out.scalar_type() == at::kFloat)
+      dequantize_rows(w.data_ptr<int8_t>(), w_scale.data_ptr<float>(), out.data_ptr<float>(), K, n0, n1);
+    else
+      dequantize_rows(w.data_ptr<int8_t>(), w_scale.data_ptr<float>(), out.data_ptr<at::BFloat16>(), K, n0, n1);
+  });
+}
+
+bool int8_linear_small_available() {
+#ifdef PAGODA_HAS_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
+                             c10::optional<at::Tensor> bias) {
+  return dispatch(x, w, w_scale, bias, [&](const float* bp) {
+    return x.scalar_type() == at::kFloat ? small_impl<float>(x, w, w_scale, bp)
+                                         : small_impl<at::BFloat16>(x, w, w_scale, bp);
+  });
+}
+
+at::Tensor int8_linear_large(at::Tensor x, at::Tensor w, at::Tensor w_scale,
+                             c10::optional<at::Tensor> bias) {
+  return dispatch(x, w, w_scale, bias, [&](const float* bp) {
+    return x.scalar_type() == at::kFloat ? large_impl<float>(x, w, w_scale, bp)
+                                         : large_impl<at::BFloat16>(x, w, w_scale, bp);
+  });
+}
