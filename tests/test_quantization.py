@@ -41,6 +41,17 @@ def hf_on_dequantized(folder: str, ggml_type: str, keep: tuple[str, ...] = ()):
     return model
 
 
+def assert_greedy_equals_hf(hf, prompts: list[list[int]], outs) -> None:
+    """Each output's tokens are HF's greedy continuation of the same prompt and length
+    (EOS never ending HF early: the outputs were made with min_tokens or ignore_eos)."""
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids, n = torch.tensor([prompt]), len(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False)  # fmt: skip
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+
+
 def quantized_modules(llm: LLM) -> dict[str, str]:
     model = llm.llm_engine.model_runner.model
     return {
@@ -67,12 +78,7 @@ def test_quantized_at_load_matches_hf_on_the_dequantized_weights(tiny_llama, fmt
     params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)  # EOS masked, as HF
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     hf = hf_on_dequantized(tiny_llama, FORMATS[fmt])
-    for prompt, out in zip(prompts, outs, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                              do_sample=False, min_new_tokens=24)  # fmt: skip
-        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+    assert_greedy_equals_hf(hf, prompts, outs)
     assert llm.llm_engine.get_stats().kv_cache.num_blocks_used == 0
 
 
@@ -116,12 +122,7 @@ def test_w8a8_at_load(tiny_llama):
     for w in hf.state_dict().values():
         if w.dim() == 2:
             w.copy_(TORCH_OPS.dequantize(quantize_per_channel(w), torch.float32))
-    for prompt, out in zip(prompts, outs, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                              min_new_tokens=16, do_sample=False)  # fmt: skip
-        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+    assert_greedy_equals_hf(hf, prompts, outs)
     fast = engine(True).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     share = agreement_on_prefixes(float_path, prompts, [o.outputs[0].token_ids for o in fast])
     assert share >= 0.9, share
@@ -303,12 +304,7 @@ def test_every_gguf_type_end_to_end(gguf_path, tmp_path, types):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     hf = load_hf(path, torch.float32)
     if types is EXACT_TYPES:
-        for prompt, out in zip(prompts, outs, strict=True):
-            ids = torch.tensor([prompt])
-            with torch.inference_mode():
-                ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                  min_new_tokens=16, do_sample=False)  # fmt: skip
-            assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+        assert_greedy_equals_hf(hf, prompts, outs)
     else:
         agree, total = agreement_with_hf_steps(hf, outs)
         assert agree / total >= 0.9, f"{agree}/{total}"

@@ -30,13 +30,6 @@
 
 #include "simd.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PAGODA_HAS_VNNI 1
-#endif
-
 namespace {
 
 constexpr int64_t kBlock = 32;

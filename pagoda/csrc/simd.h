@@ -1,5 +1,9 @@
-// 16 floats to and from float32 or bfloat16 memory, masked for tails (AVX512F).
+// What the CPU kernels share: PAGODA_HAS_VNNI where AVX512-VNNI (with BW and VL) was
+// compiled in, and 16 floats to and from float32 or bfloat16 memory, masked for tails.
 #pragma once
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGODA_HAS_VNNI 1
+#endif
 #if defined(__AVX512F__)
 #include <ATen/ATen.h>
 #include <immintrin.h>

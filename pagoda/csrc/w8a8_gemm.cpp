@@ -22,13 +22,6 @@
 
 #include "simd.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PAGODA_HAS_VNNI 1
-#endif
-
 namespace {
 
 void check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale) {
