@@ -265,3 +265,14 @@ def test_w8a8_through_the_ops_in_every_regime():
             exact = x.double() @ dense.T
             assert got.shape == (rows, 96)
             assert (got - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_cpp_dequantize_equals_the_twin(dtype):
+    from pagoda.model_executor.quantization import quantize_per_channel
+
+    if cpu.load() is None:
+        pytest.skip("no C++ toolchain")
+    qw = quantize_per_channel(torch.randn(37, 100) * 0.05)  # 100: a tail of 4 lanes
+    got = cpu.cpu_ops(torch.bfloat16).dequantize(qw, dtype)
+    assert got.dtype == dtype and torch.equal(got, TORCH_OPS.dequantize(qw, dtype))

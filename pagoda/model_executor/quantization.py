@@ -41,8 +41,8 @@ OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
 _BLOCK_BYTES = {"q8_0": 32, "q4_0": 16, "q4_1": 16}  # qs bytes a block
 # GGUF's raw block: (fp16 fields before the quants, quant bytes)
 _GGUF_LAYOUT = {"Q8_0": ("q8_0", 1, 32), "Q4_0": ("q4_0", 1, 16), "Q4_1": ("q4_1", 2, 16)}
-# GGUF types whose integer codes are kept: (format, code bits, per-32 (d, m) reader)
-_GGUF_RECODED = {"Q5_0": ("q8_0", 5), "Q5_1": ("q8_0", 5), "Q4_K": ("q4_1", 4), "Q5_K": ("q8_0", 5)}
+# GGUF types whose integer codes are kept, and the format that holds them.
+_GGUF_RECODED = {"Q5_0": "q8_0", "Q5_1": "q8_0", "Q4_K": "q4_1", "Q5_K": "q8_0"}
 # GGUF tensor types that hold floats or integers, not blocks: never kept quantized.
 GGUF_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 
@@ -139,7 +139,7 @@ def _recode(type_name: str, data: np.ndarray) -> QuantizedWeight:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K, dequantize
 
-    fmt, _ = _GGUF_RECODED[type_name]
+    fmt = _GGUF_RECODED[type_name]
     ggml_type = GGMLQuantizationType[type_name]
     block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
     rows = data.shape[0]
@@ -150,11 +150,11 @@ def _recode(type_name: str, data: np.ndarray) -> QuantizedWeight:
         m = halves[:, :, 1] if type_name == "Q5_1" else np.zeros_like(d)
     else:  # Q4_K, Q5_K: super-blocks of 8 x 32, 6-bit scales and minimums
         sc, mn = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))
-        sc = sc.reshape(rows, -1, 8).astype(np.float64)
-        mn = mn.reshape(rows, -1, 8).astype(np.float64)
+        sc = sc.reshape(rows, -1, 8).astype(np.float32)
+        mn = mn.reshape(rows, -1, 8).astype(np.float32)
         # The same float32 products the gguf package (and llama.cpp) dequantize with.
-        d = (halves[:, :, :1].astype(np.float32) * sc.astype(np.float32)).reshape(rows, -1)
-        m = -(halves[:, :, 1:].astype(np.float32) * mn.astype(np.float32)).reshape(rows, -1)
+        d = (halves[:, :, :1].astype(np.float32) * sc).reshape(rows, -1).astype(np.float64)
+        m = -(halves[:, :, 1:].astype(np.float32) * mn).reshape(rows, -1).astype(np.float64)
     w = dequantize(raw.reshape(rows, -1), ggml_type).reshape(rows, -1, BLOCK)
     safe_d = np.where(d == 0, 1.0, d)[:, :, None]
     codes = np.rint((w.astype(np.float64) - m[:, :, None]) / safe_d)

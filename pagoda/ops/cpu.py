@@ -126,7 +126,9 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
 
     def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
         if weight.format == PER_CHANNEL:
-            return torch_ops.dequantize(weight, out_dtype)
+            out = torch.empty(weight.shape, dtype=out_dtype)
+            module.int8_dequantize(weight.qs, weight.d, out)
+            return out
         return module.dequantize(weight.qs, weight.d, weight.m, weight.format_code, out_dtype)
 
     on_blocks = int8_activations and module.quant_linear_available()
