@@ -23,7 +23,9 @@ from pagoda.model_executor.quantization import (
     BLOCK,
     GGUF_PLAIN_TYPES,
     QuantizedWeight,
+    from_awq,
     from_gguf,
+    from_gptq,
     quantize_per_channel,
 )
 
@@ -195,6 +197,10 @@ def iter_weights(
     """
     if is_gguf:
         source = _iter_gguf_weights(path, hf_config, quantization == "auto", keep_full_precision)
+    elif "quantization_config" in hf_config:
+        source = _iter_int4_checkpoint(
+            _iter_safetensors(path), hf_config["quantization_config"], quantization == "auto"
+        )
     else:
         source = _iter_safetensors(path)
     if quantization not in QUANTIZE_AT_LOAD:
@@ -202,10 +208,65 @@ def iter_weights(
         return
     ggml_type = QUANTIZE_AT_LOAD[quantization]
     for name, w in source:
-        if w.dim() == 2 and w.shape[1] % BLOCK == 0 and not _kept(name, keep_full_precision):
+        if (
+            isinstance(w, torch.Tensor)
+            and w.dim() == 2
+            and w.shape[1] % BLOCK == 0
+            and not _kept(name, keep_full_precision)
+        ):
             yield name, _quantize(w, ggml_type)
         else:
             yield name, w
+
+
+_INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def _iter_int4_checkpoint(
+    source: Iterator[tuple[str, torch.Tensor]], config: dict[str, Any], keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """A GPTQ or AWQ checkpoint's tensors with each linear's parts (qweight, qzeros,
+    scales, g_idx) joined into its `weight`: kept as blocks, or dequantized to float32."""
+    from pagoda.ops.torch_ops import dequantize
+
+    method = config.get("quant_method")
+    if method not in ("gptq", "awq"):
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported (gptq, awq)."
+        )
+    bits = config.get("bits", config.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{method} with bits={bits} is not supported (4-bit only).")
+    if method == "awq" and config.get("version", "gemm").lower() != "gemm":
+        raise ValueError(f"AWQ version {config.get('version')!r} is not supported (gemm).")
+    group_size = int(config.get("group_size", config.get("q_group_size", 128)))
+
+    def join(module: str, parts: dict[str, torch.Tensor]) -> tuple[str, Any]:
+        missing = [p for p in _INT4_PARTS[:3] if p not in parts]
+        if missing:
+            raise ValueError(f"{method} checkpoint: {module} lacks {', '.join(missing)}.")
+        try:
+            if method == "gptq":
+                minus_one = config.get("checkpoint_format", "gptq") != "gptq_v2"
+                weight = from_gptq(parts["qweight"], parts["qzeros"], parts["scales"],
+                                   parts.get("g_idx"), group_size, minus_one)  # fmt: skip
+            else:
+                weight = from_awq(parts["qweight"], parts["qzeros"], parts["scales"], group_size)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"{method} checkpoint: {module}: {e}") from e
+        return f"{module}.weight", weight if keep_quantized else dequantize(weight, torch.float32)
+
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> its parts so far
+    for name, tensor in source:
+        module, _, part = name.rpartition(".")
+        if part not in _INT4_PARTS:
+            yield name, tensor
+            continue
+        for done in [m for m in pending if m != module]:  # a module's parts are adjacent
+            yield join(done, pending.pop(done))
+        pending.setdefault(module, {})[part] = tensor
+    for module, parts in pending.items():
+        yield join(module, parts)
 
 
 def _kept(name: str, patterns: Sequence[str]) -> bool:

@@ -25,6 +25,11 @@ per-32 scales d * sc and minimums dmin * m rounded once to fp16); any other type
 to each weight. The kernels (pagoda.ops) run linear layers on the blocks directly;
 nothing is expanded to a float matrix in memory except, transiently, for a
 prefill-sized product.
+
+4-bit GPTQ and AWQ checkpoints (`from_gptq`, `from_awq`: groups of 32, 64, 128 ... weights
+along K, each with an fp16 scale and a 4-bit zero point) load into the same blocks:
+symmetric ones (every zero point 8) into q4_0 exactly, others into q4_1 with the
+minimum -scale * zero rounded once to fp16.
 """
 
 from __future__ import annotations
@@ -169,3 +174,83 @@ def _recode(type_name: str, data: np.ndarray) -> QuantizedWeight:
         )
     qs = (codes + OFFSETS["q8_0"]).astype(np.uint8)
     return QuantizedWeight(fmt, torch.from_numpy(qs), d16, m16)
+
+
+# ---- GPTQ and AWQ ----------------------------------------------------------------------
+
+_AWQ_COLUMN_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs columns 0,2,4,6,1,3,5,7 in bit order
+
+
+def _unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words holding eight 4-bit values (value i at bits 4i) unpacked along `dim`."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    if dim == 0:  # [R, C] -> [R * 8, C]
+        values = (packed.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF
+        return values.reshape(-1, packed.shape[1]).to(torch.uint8)
+    values = (packed.unsqueeze(2) >> shifts.view(1, 1, 8)) & 0xF  # [R, C] -> [R, C * 8]
+    return values.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def from_gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    zeros_minus_one: bool = True,
+) -> QuantizedWeight:
+    """A 4-bit GPTQ linear (AutoGPTQ's format: qweight int32 [K/8, N] packed along K,
+    qzeros int32 [G, N/8] packed along N, scales fp16 [G, N], g_idx [K]):
+    weight[n, k] = scales[g, n] * (q[k, n] - zero[g, n]), g = g_idx[k], where the stored
+    zero is one less than the zero point (`zeros_minus_one`; not in "gptq_v2" files)."""
+    codes = _unpack_int4(qweight, 0)  # [K, N]
+    zeros = _unpack_int4(qzeros, 1).to(torch.int16) + int(zeros_minus_one)  # [G, N]
+    size = _group_size(group_size, codes.shape[0])
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(codes.shape[0]) // size):
+        raise ValueError(
+            "GPTQ with act-order (desc_act: groups not in input order) is not supported; "
+            "requantize with desc_act false"
+        )
+    return _from_int4_groups(codes.T, zeros, scales, size)
+
+
+def from_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> QuantizedWeight:
+    """A 4-bit AWQ linear (AutoAWQ's GEMM format: qweight int32 [K, N/8] and qzeros
+    int32 [G, N/8] packed along N in AWQ's column order, scales fp16 [G, N]):
+    weight[n, k] = scales[g, n] * (q[k, n] - zeros[g, n]), g = k // group_size."""
+    order = torch.tensor(_AWQ_COLUMN_NIBBLE)
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        words = _unpack_int4(packed, 1).view(packed.shape[0], -1, 8)
+        return words[:, :, order].reshape(packed.shape[0], -1)
+
+    codes = unpack(qweight)  # [K, N]
+    size = _group_size(group_size, codes.shape[0])
+    return _from_int4_groups(codes.T, unpack(qzeros).to(torch.int16), scales, size)
+
+
+def _group_size(group_size: int, k: int) -> int:
+    size = k if group_size in (-1, 0) else group_size
+    if size % BLOCK or k % size:
+        raise ValueError(
+            f"group_size {group_size} must be a multiple of {BLOCK} that divides the input size {k}"
+        )
+    return size
+
+
+def _from_int4_groups(
+    codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> QuantizedWeight:
+    """codes uint8 [N, K] in 0..15; zeros [G, N]; scales [G, N]: as 32-weight blocks."""
+    n, k = codes.shape
+    per_group = group_size // BLOCK
+    scale = scales.T.float().repeat_interleave(per_group, dim=1)  # [N, K/32]
+    zero = zeros.T.repeat_interleave(per_group, dim=1)
+    blocks = codes.reshape(n, k // BLOCK, BLOCK)
+    qs = (blocks[:, :, :16] | (blocks[:, :, 16:] << 4)).contiguous()
+    d = scale.half().contiguous()
+    if bool((zero == OFFSETS["q4_0"]).all()):  # symmetric: scale * (q - 8), exactly
+        return QuantizedWeight("q4_0", qs, d)
+    return QuantizedWeight("q4_1", qs, d, (-scale * zero).half().contiguous())
