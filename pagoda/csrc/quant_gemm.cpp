@@ -30,6 +30,9 @@
 
 #include "simd.h"
 
+
+
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -190,6 +193,7 @@ void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const 
     for (int64_t t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t count = std::min(kPerLoad, nb - g * kPerLoad);
+      _mm_prefetch(reinterpret_cast<const char*>(wrow + g * 64 + kPrefetchBytes), _MM_HINT_T0);
       const __m512i w = count == kPerLoad
                             ? _mm512_loadu_si512(wrow + g * 64)
                             : _mm512_maskz_loadu_epi8((~0ULL) >> (64 - count * kBytes), wrow + g * 64);

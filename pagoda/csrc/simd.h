@@ -4,6 +4,14 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGODA_HAS_VNNI 1
 #endif
+#include <cstdint>
+
+// How far ahead the decode kernels prefetch the weight stream they read once: the
+// hardware prefetcher alone leaves it at 60-70% of the memory bandwidth. Measured on
+// SmolLM2's 30 q4_1 layers at one row (Sapphire Rapids, 2 threads): 4.8 ms without,
+// 2.7-2.9 ms at 2-8 KiB ahead.
+constexpr int64_t kPrefetchBytes = 4096;
+
 #if defined(__AVX512F__)
 #include <ATen/ATen.h>
 #include <immintrin.h>

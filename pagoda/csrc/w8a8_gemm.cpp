@@ -103,6 +103,7 @@ void dot_rows(const uint8_t* xq, int64_t kpad, const int8_t* w, int64_t K, int32
     for (int64_t t = 0; t < MT; ++t) acc[t] = _mm512_setzero_si512();
     __m512i wsum = _mm512_setzero_si512();
     for (int64_t c = 0; c < chunks; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wrow + c * 64 + kPrefetchBytes), _MM_HINT_T0);
       const __m512i wv = c + 1 < chunks || K % 64 == 0 ? _mm512_loadu_si512(wrow + c * 64)
                                                        : _mm512_maskz_loadu_epi8(tail, wrow + c * 64);
       wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
