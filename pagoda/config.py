@@ -19,10 +19,10 @@ KERNEL_BACKENDS = ("auto", "torch", "cpu")  # as pagoda.ops has them (no torch h
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": keep a GGUF file's block-quantized weights quantized; "none": expand every
-# weight to the model's dtype at load; a format (q8_0, q4_0, q4_1, int8 = q8_0,
+# weight to the model's dtype at load; a format (q8_0, q4_0, q4_1, q5_0, q5_1, int8 = q8_0,
 # int4 = q4_1, or w8a8: int8 per output channel with activations quantized per row)
 # quantizes a float checkpoint's linear and embedding weights at load.
-QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "int8", "int4", "w8a8")
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from pagoda.model_executor.quantization import FORMATS, OFFSETS, QuantizedWeight
 from pagoda.ops import TORCH_OPS, cpu
 
 GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-        "q4_1": GGMLQuantizationType.Q4_1,
-        "q8_0+m": GGMLQuantizationType.Q5_1}  # q8_0 codes with minimums (from Q5_1)  # fmt: skip
+        "q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0,
+        "q5_1": GGMLQuantizationType.Q5_1,
+        "q8_0+m": GGMLQuantizationType.Q5_1}  # q8_0 codes with minimums (Q5_1 widened)  # fmt: skip
 KERNEL_CASES = (*FORMATS, "q8_0+m")
 
 
@@ -40,7 +41,10 @@ def make_weight(fmt: str, n: int, k: int, seed: int, adversarial: bool = False):
         w[1, 32:64] = -60000.0
         w[2, 5] = 40.0  # one outlier in a block of small values
     raw = gguf_quantize(w, GGUF[fmt])
-    return from_gguf(GGUF[fmt].name, raw), gguf_dequantize(raw, GGUF[fmt]).astype(np.float64)
+    qw = from_gguf(GGUF[fmt].name, raw)
+    if fmt == "q8_0+m":
+        qw = qw.widened()
+    return qw, gguf_dequantize(raw, GGUF[fmt]).astype(np.float64)
 
 
 def kernels_or_skip():
@@ -54,8 +58,9 @@ def kernels_or_skip():
 def test_repacked_blocks_dequantize_as_gguf_does(fmt):
     qw, dense = make_weight(fmt, 7, 96, seed=1, adversarial=True)
     assert qw.shape == (7, 96) and qw.format == fmt.removesuffix("+m")
-    assert (qw.m is not None) == (fmt in ("q4_1", "q8_0+m"))
-    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q8_0+m": 36}[fmt]  # GGUF's own, or 36
+    assert (qw.m is not None) == (fmt in ("q4_1", "q5_1", "q8_0+m"))
+    assert (qw.qh is not None) == fmt.startswith("q5")
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0+m": 36}[fmt]
     assert qw.nbytes == size * 7 * 3
     got = TORCH_OPS.dequantize(qw, torch.float32).double().numpy()
     np.testing.assert_array_equal(got, dense)
@@ -88,7 +93,7 @@ def random_blocks(type_name: str, rows: int, k: int, seed: int, scale: float = 0
 
 @pytest.mark.parametrize(
     "type_name,fmt",
-    [("Q5_0", "q8_0"), ("Q5_1", "q8_0"), ("Q4_K", "q4_1"), ("Q5_K", "q8_0"),
+    [("Q5_0", "q5_0"), ("Q5_1", "q5_1"), ("Q4_K", "q4_1"), ("Q5_K", "q5_1"),
      ("Q6_K", "q8_0"), ("Q3_K", "q8_0"), ("Q2_K", "q8_0"), ("IQ4_XS", "q8_0")],
 )  # fmt: skip
 def test_every_gguf_type_loads_into_blocks(type_name, fmt):
@@ -118,7 +123,9 @@ def test_every_gguf_type_loads_into_blocks(type_name, fmt):
 def test_fused_parts_of_different_formats_stack_exactly():
     parts = [make_weight(fmt, 5 + i, 64, seed=20 + i) for i, fmt in enumerate(KERNEL_CASES)]
     fused = QuantizedWeight.cat([qw for qw, _ in parts])
-    assert fused.format == "q8_0" and fused.m is not None and fused.shape == (26, 64)
+    rows = sum(5 + i for i in range(len(KERNEL_CASES)))
+    assert fused.format == "q8_0" and fused.m is not None and fused.qh is None
+    assert fused.shape == (rows, 64)
     got = TORCH_OPS.dequantize(fused, torch.float32).double().numpy()
     np.testing.assert_array_equal(got, np.concatenate([dense for _, dense in parts]))
 
@@ -129,7 +136,7 @@ def test_cpp_dequantize_equals_the_twin(fmt, dtype):
     module = kernels_or_skip()
     qw, _ = make_weight(fmt, 37, 32 * 19, seed=2, adversarial=True)
     want = TORCH_OPS.dequantize(qw, dtype)
-    got = module.dequantize(qw.qs, qw.d, qw.m, qw.format_code, dtype)
+    got = module.dequantize(qw.qs, qw.d, qw.m, qw.format_code, dtype, qh=qw.qh)
     assert got.dtype == dtype and torch.equal(got, want)
 
 
@@ -146,8 +153,7 @@ def quantize_activations(x: torch.Tensor):
 def reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel's arithmetic in float64: sum_b d_w d_a sum(q_w q_a) + (m_w - off d_w) s_a."""
     qa, da = quantize_activations(x)  # [M, nb, 32], [M, nb]
-    qs = qw.qs.long()
-    qwv = qs if qw.format == "q8_0" else torch.cat((qs & 0x0F, qs >> 4), -1)  # [N, nb, 32]
+    qwv = qw.codes()  # [N, nb, 32] (checked against gguf's dequantization above)
     dw = qw.d.double()
     mw = qw.m.double() if qw.m is not None else torch.zeros_like(dw)
     dots = torch.einsum("mbj,nbj->mnb", qa, qwv.double())
@@ -173,7 +179,7 @@ def test_quant_linear_equals_float64(fmt, dtype, rows):
             x[1, 32 : min(64, 32 * nb)] *= 1000.0  # a loud block
         bias = torch.randn(n, generator=g).to(dtype)
         for b in (None, bias):
-            got = module.quant_linear(x, qw.qs, qw.d, qw.m, qw.format_code, b)
+            got = module.quant_linear(x, qw.qs, qw.d, qw.m, qw.format_code, b, qh=qw.qh)
             assert got.shape == (rows, n) and got.dtype == dtype
             want = reference(x, qw, b)
             scale = want.abs().max().item() + 1.0

@@ -23,7 +23,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.model_executor.layers.linear import Embedding, Linear
 from tests.conftest import agreement_on_prefixes, agreement_with_hf_steps, tiny_prompts
 
-FORMATS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+FORMATS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
 
 
 def hf_on_dequantized(folder: str, ggml_type: str, keep: tuple[str, ...] = ()):
@@ -299,6 +299,7 @@ def test_every_gguf_type_end_to_end(gguf_path, tmp_path, types):
     if types is EXACT_TYPES:
         assert held["model.layers.0.self_attn.qkv_proj"] == "q8_0"  # three formats, widened
         assert held["model.layers.0.self_attn.o_proj"] == "q4_0"
+        assert held["model.layers.0.mlp.down_proj"] == "q5_1"  # 5-bit blocks as they are
     prompts = tiny_prompts(llm.get_tokenizer(), n=6, seed=3)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

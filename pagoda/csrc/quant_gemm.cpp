@@ -1,12 +1,13 @@
 // Linear layers on weights kept in GGUF's block formats (32 weights a block, one fp16
-// scale each): q8_0, q4_0 and q4_1, as pagoda repacks them at load (see
+// scale each): q8_0, q4_0, q4_1, q5_0 and q5_1, as pagoda repacks them at load (see
 // pagoda/model_executor/quantization.py):
 //
 //   qs  uint8 [N, K/32, B]  q4: B = 16, element j in byte j's low nibble, j + 16 in its high
 //                           q8: B = 32, stored + 128 so that every weight byte is unsigned
 //   d   fp16  [N, K/32]     scale
-//   m   fp16  [N, K/32]     the block's minimum: always for q4_1, optional otherwise
-//   weight = d * (q - offset) + m      offset: 8 (q4_0), 128 (q8_0), 0 (q4_1)
+//   m   fp16  [N, K/32]     the block's minimum: always for q4_1/q5_1, optional otherwise
+//   qh  int32 [N, K/32]     q5: bit j is element j's fifth bit, set into the nibble's byte
+//   weight = d * (q - offset) + m      offset: 8 (q4_0), 16 (q5_0), 128 (q8_0), 0 (q4_1, q5_1)
 //
 // quant_linear (decode, a few rows): the activations are quantized per block of 32 to
 // int8 (d_a = max|x| / 127, as llama.cpp's q8_1) and each weight byte is read once into
@@ -36,21 +37,28 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4 };
 
 int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 32 : 16; }
-float offset_of(int64_t format) { return format == kQ8_0 ? 128.f : format == kQ4_0 ? 8.f : 0.f; }
+bool has_high_bits(int64_t format) { return format == kQ5_0 || format == kQ5_1; }
+float offset_of(int64_t format) {
+  return format == kQ8_0 ? 128.f : format == kQ4_0 ? 8.f : format == kQ5_0 ? 16.f : 0.f;
+}
 
 void check_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
-                  int64_t format) {
-  TORCH_CHECK(format == kQ8_0 || format == kQ4_0 || format == kQ4_1, "unknown format ", format);
+                  const c10::optional<at::Tensor>& qh, int64_t format) {
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ5_1, "unknown format ", format);
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "qs must be a contiguous uint8 [N, K/32, bytes] tensor");
   TORCH_CHECK(qs.size(2) == block_bytes(format), "qs has ", qs.size(2), " bytes a block");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 2 &&
                   d.size(0) == qs.size(0) && d.size(1) == qs.size(1),
               "d must be a contiguous float16 [N, K/32] tensor");
-  TORCH_CHECK(m.has_value() || format != kQ4_1, "q4_1 needs its minimums m");
+  TORCH_CHECK(m.has_value() || (format != kQ4_1 && format != kQ5_1), "q4_1/q5_1 need minimums m");
+  TORCH_CHECK(qh.has_value() == has_high_bits(format), "qh is given exactly for q5_0/q5_1");
+  if (qh.has_value())
+    TORCH_CHECK(qh->sizes() == d.sizes() && qh->scalar_type() == at::kInt && qh->is_contiguous(),
+                "qh must be a contiguous int32 [N, K/32] tensor");
   if (m.has_value())
     TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == at::kHalf && m->is_contiguous(),
                 "m must be like d");
@@ -65,11 +73,13 @@ using pagoda_simd::store16;
 // value = q * scale + shift, shift = m - offset * scale: q * scale is exact (an 8-bit
 // integer times an fp16 scale), so one rounding, as in the PyTorch twin.
 template <typename T>
-void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t format,
-                     T* out, int64_t nb, int64_t n0, int64_t n1) {
+void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, const int32_t* qh,
+                     int64_t format, T* out, int64_t nb, int64_t n0, int64_t n1) {
   const int64_t bb = block_bytes(format);
   const float offset = offset_of(format);
-  const __m512i low = _mm512_set1_epi32(0x0F);
+  const __m512i low = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* q = qs + (n * nb + b) * bb;
@@ -84,16 +94,22 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, in
         store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), sv, hv), 0xFFFF);
         store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), sv, hv), 0xFFFF);
       } else {  // elements 0..15 in the low nibbles, 16..31 in the high ones
-        store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(first, low)), sv, hv), 0xFFFF);
-        store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4)), sv, hv), 0xFFFF);
+        __m512i lo = _mm512_and_si512(first, low), hi = _mm512_srli_epi32(first, 4);
+        if (qh != nullptr) {  // bit j of qh: element j's fifth bit
+          const __m512i h = _mm512_set1_epi32(qh[n * nb + b]);
+          lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota), one), 4));
+          hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota16), one), 4));
+        }
+        store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sv, hv), 0xFFFF);
+        store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sv, hv), 0xFFFF);
       }
     }
   }
 }
 #else
 template <typename T>
-void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t format,
-                     T* out, int64_t nb, int64_t n0, int64_t n1) {
+void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, const int32_t* qh,
+                     int64_t format, T* out, int64_t nb, int64_t n0, int64_t n1) {
   const int64_t bb = block_bytes(format);
   const float offset = offset_of(format);
   for (int64_t n = n0; n < n1; ++n) {
@@ -103,8 +119,9 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, in
       const float shift = (m != nullptr ? half_to_float(m[n * nb + b]) : 0.f) - offset * scale;
       T* o = out + (n * nb + b) * kBlock;
       for (int64_t j = 0; j < 16; ++j) {
-        const int lo = format == kQ8_0 ? q[j] : (q[j] & 0x0F);
-        const int hi = format == kQ8_0 ? q[j + 16] : (q[j] >> 4);
+        const uint32_t h = qh != nullptr ? static_cast<uint32_t>(qh[n * nb + b]) : 0u;
+        const int lo = format == kQ8_0 ? q[j] : (q[j] & 0x0F) | (((h >> j) & 1) << 4);
+        const int hi = format == kQ8_0 ? q[j + 16] : (q[j] >> 4) | (((h >> (j + 16)) & 1) << 4);
         o[j] = static_cast<T>(std::fma(static_cast<float>(lo), scale, shift));
         o[j + 16] = static_cast<T>(std::fma(static_cast<float>(hi), scale, shift));
       }
@@ -178,9 +195,10 @@ inline __m512 lane_scales(const at::Half* p, int64_t count, int64_t per_load) {
 // Rows [n0, n1) of y = x w^T for the M activation rows (MT at a time).
 template <int64_t Format, int64_t MT, typename Tout>
 void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const at::Half* m,
-              const float* bias, Tout* y, int64_t mi, int64_t N, int64_t nb, int64_t n0,
-              int64_t n1) {
-  constexpr bool kQ4 = Format != kQ8_0;
+              const int32_t* qh, const float* bias, Tout* y, int64_t mi, int64_t N, int64_t nb,
+              int64_t n0, int64_t n1) {
+  constexpr bool kQ4 = Format != kQ8_0;  // 4-bit nibbles (and q5's fifth bits apart)
+  constexpr bool kQ5 = Format == kQ5_0 || Format == kQ5_1;
   constexpr int64_t kBytes = kQ4 ? 16 : 32;
   constexpr int64_t kPerLoad = 64 / kBytes;
   const float offset = offset_of(Format);
@@ -202,6 +220,17 @@ void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const 
       if constexpr (kQ4) {
         lo = _mm512_and_si512(w, low);
         hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      }
+      if constexpr (kQ5) {  // byte 16 b + j: block b's element j (lo) and j + 16 (hi)
+        uint64_t lo_bits = 0, hi_bits = 0;
+        for (int64_t b = 0; b < count; ++b) {
+          const uint32_t h = static_cast<uint32_t>(qh[n * nb + g * kPerLoad + b]);
+          lo_bits |= static_cast<uint64_t>(h & 0xFFFFu) << (16 * b);
+          hi_bits |= static_cast<uint64_t>(h >> 16) << (16 * b);
+        }
+        const __m512i fifth = _mm512_set1_epi8(0x10);
+        lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(lo_bits, fifth));
+        hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(hi_bits, fifth));
       }
       for (int64_t t = 0; t < MT; ++t) {
         const int64_t i = mi + t;
@@ -233,11 +262,12 @@ void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const 
 
 template <int64_t Format, typename Tout>
 void dot_all(const Activations& a, const uint8_t* qs, const at::Half* d, const at::Half* m,
-             const float* bias, Tout* y, int64_t M, int64_t N, int64_t nb, int64_t n0, int64_t n1) {
+             const int32_t* qh, const float* bias, Tout* y, int64_t M, int64_t N, int64_t nb,
+             int64_t n0, int64_t n1) {
   int64_t i = 0;
-  for (; i + 4 <= M; i += 4) dot_rows<Format, 4>(a, qs, d, m, bias, y, i, N, nb, n0, n1);
-  for (; i + 2 <= M; i += 2) dot_rows<Format, 2>(a, qs, d, m, bias, y, i, N, nb, n0, n1);
-  for (; i < M; ++i) dot_rows<Format, 1>(a, qs, d, m, bias, y, i, N, nb, n0, n1);
+  for (; i + 4 <= M; i += 4) dot_rows<Format, 4>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1);
+  for (; i + 2 <= M; i += 2) dot_rows<Format, 2>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1);
+  for (; i < M; ++i) dot_rows<Format, 1>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1);
 }
 #endif
 
@@ -252,8 +282,9 @@ bool quant_linear_available() {
 }
 
 at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
-                      at::ScalarType dtype, c10::optional<at::Tensor> out_buffer) {
-  check_weight(qs, d, m, format);
+                      at::ScalarType dtype, c10::optional<at::Tensor> out_buffer,
+                      c10::optional<at::Tensor> qh) {
+  check_weight(qs, d, m, qh, format);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
   const int64_t N = qs.size(0), nb = qs.size(1);
   // Into `out_buffer` (at least N * K elements of dtype) when given: a large weight in a
@@ -270,19 +301,21 @@ at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, 
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.has_value() ? m->data_ptr<at::Half>() : nullptr;
+  const int32_t* hp = qh.has_value() ? qh->data_ptr<int32_t>() : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     if (dtype == at::kFloat)
-      dequantize_rows(q, dp, mp, format, out.data_ptr<float>(), nb, n0, n1);
+      dequantize_rows(q, dp, mp, hp, format, out.data_ptr<float>(), nb, n0, n1);
     else
-      dequantize_rows(q, dp, mp, format, out.data_ptr<at::BFloat16>(), nb, n0, n1);
+      dequantize_rows(q, dp, mp, hp, format, out.data_ptr<at::BFloat16>(), nb, n0, n1);
   });
   return out;
 }
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
-                        int64_t format, c10::optional<at::Tensor> bias) {
+                        int64_t format, c10::optional<at::Tensor> bias,
+                        c10::optional<at::Tensor> qh) {
 #ifdef PAGODA_HAS_VNNI
-  check_weight(qs, d, m, format);
+  check_weight(qs, d, m, qh, format);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
@@ -298,14 +331,16 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.has_value() ? m->data_ptr<at::Half>() : nullptr;
+  const int32_t* hp = qh.has_value() ? qh->data_ptr<int32_t>() : nullptr;
   auto run = [&](auto* out) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      if (format == kQ8_0)
-        dot_all<kQ8_0>(a, q, dp, mp, bp, out, M, N, nb, n0, n1);
-      else if (format == kQ4_0)
-        dot_all<kQ4_0>(a, q, dp, mp, bp, out, M, N, nb, n0, n1);
-      else
-        dot_all<kQ4_1>(a, q, dp, mp, bp, out, M, N, nb, n0, n1);
+      switch (format) {
+        case kQ8_0: return dot_all<kQ8_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
+        case kQ4_0: return dot_all<kQ4_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
+        case kQ4_1: return dot_all<kQ4_1>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
+        case kQ5_0: return dot_all<kQ5_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
+        default: return dot_all<kQ5_1>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
+      }
     });
   };
   if (x.scalar_type() == at::kFloat)

@@ -176,7 +176,8 @@ def load_generation_config(
 # --quantization for weights that come as floats: the format each is quantized to (a
 # GGUF block type, by the gguf package's quantizer, or w8a8: int8 per channel).
 QUANTIZE_AT_LOAD = {
-    "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "int8": "Q8_0", "int4": "Q4_1", "w8a8": "w8a8",
+    "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1",
+    "int8": "Q8_0", "int4": "Q4_1", "w8a8": "w8a8",
 }  # fmt: skip
 
 

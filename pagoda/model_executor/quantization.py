@@ -1,4 +1,5 @@
-"""Quantized weights: the block formats q8_0, q4_0, q4_1, and w8a8 (int8 per channel).
+"""Quantized weights: the block formats q8_0, q4_0, q4_1, q5_0, q5_1, and w8a8 (int8 per
+channel).
 
 A `QuantizedWeight` is an [N, K] matrix stored as blocks of 32 weights along K, one
 fp16 scale each (and a minimum where the source had one), repacked at load into one
@@ -6,21 +7,22 @@ array per part so that each kernel reads its part contiguously:
 
     qs  uint8 [N, K/32, 16]  4-bit: element j of a block in byte j's low nibble,
                              element j + 16 in its high nibble (as GGUF has them)
+    qh  int32 [N, K/32]      5-bit only: bit j is element j's fifth (high) bit
         uint8 [N, K/32, 32]  8-bit: stored + 128, so every weight byte is unsigned
     d   float16 [N, K/32]    the block's scale
     m   float16 [N, K/32]    the block's minimum: always for q4_1, optional for q8_0
                              (5-bit sources with a minimum), else None
 
-    weight = d * (q - offset) + m      offset: 8 (q4_0), 128 (q8_0), 0 (q4_1)
+    weight = d * (q - offset) + m      offset: 8 (q4_0), 16 (q5_0), 128 (q8_0), 0 (q4_1, q5_1)
 
 `w8a8` is W8A8 as vLLM has it (without SmoothQuant's calibration), made at load from
 float weights: qs int8 [N, K], d float32 [N] (one scale per output channel),
 weight = d * q; its kernels quantize the activations per row (not per block of 32)
 and multiply integers, which oneDNN's integer GEMM can do for large batches.
 
-Every quantized GGUF type loads into one of them (`from_gguf`): Q8_0, Q4_0, Q4_1 as
-they are; Q5_0, Q5_1, Q4_K and Q5_K exactly (their integer codes kept, K-quants'
-per-32 scales d * sc and minimums dmin * m rounded once to fp16); any other type
+Every quantized GGUF type loads into one of them (`from_gguf`): Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1 as they are; Q4_K and Q5_K into q4_1 and q5_1 (their integer codes kept,
+the per-32 scales d * sc and minimums dmin * m rounded once to fp16); any other type
 (Q6_K, Q2_K, Q3_K, IQ*) is requantized to q8_0, which adds at most half an 8-bit step
 to each weight. The kernels (pagoda.ops) run linear layers on the blocks directly;
 nothing is expanded to a float matrix in memory except, transiently, for a
@@ -40,14 +42,17 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per block, every format
-FORMATS = ("q8_0", "q4_0", "q4_1")  # block formats; index = the C++ kernels' format code
+# Block formats; index = the C++ kernels' format code.
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 PER_CHANNEL = "w8a8"
-OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
-_BLOCK_BYTES = {"q8_0": 32, "q4_0": 16, "q4_1": 16}  # qs bytes a block
-# GGUF's raw block: (fp16 fields before the quants, quant bytes)
-_GGUF_LAYOUT = {"Q8_0": ("q8_0", 1, 32), "Q4_0": ("q4_0", 1, 16), "Q4_1": ("q4_1", 2, 16)}
+OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0}
+# GGUF's raw block: (format, fp16 fields, bytes of high bits, quant bytes), in that order.
+_GGUF_LAYOUT = {
+    "Q8_0": ("q8_0", 1, 0, 32), "Q4_0": ("q4_0", 1, 0, 16), "Q4_1": ("q4_1", 2, 0, 16),
+    "Q5_0": ("q5_0", 1, 4, 16), "Q5_1": ("q5_1", 2, 4, 16),
+}  # fmt: skip
 # GGUF types whose integer codes are kept, and the format that holds them.
-_GGUF_RECODED = {"Q5_0": "q8_0", "Q5_1": "q8_0", "Q4_K": "q4_1", "Q5_K": "q8_0"}
+_GGUF_RECODED = {"Q4_K": "q4_1", "Q5_K": "q5_1"}
 # GGUF tensor types that hold floats or integers, not blocks: never kept quantized.
 GGUF_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 
@@ -58,6 +63,7 @@ class QuantizedWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    qh: torch.Tensor | None = None  # q5_0, q5_1
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,21 +77,32 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+        parts = (self.qs, self.d, self.m, self.qh)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
         """The weight's rows `index` (a gather: an embedding lookup, a row permutation)."""
         m = self.m[index] if self.m is not None else None
-        return QuantizedWeight(self.format, self.qs[index], self.d[index], m)
+        qh = self.qh[index] if self.qh is not None else None
+        return QuantizedWeight(self.format, self.qs[index], self.d[index], m, qh)
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes q, int16 [N, K/32, 32] (block formats)."""
+        if self.format == "q8_0":
+            return self.qs.to(torch.int16)
+        codes = torch.cat((self.qs & 0x0F, self.qs >> 4), -1).to(torch.int16)
+        if self.qh is not None:  # bit j of qh: element j's fifth bit
+            bits = (self.qh.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+            codes = codes | (bits.to(torch.int16) << 4)
+        return codes
 
     def widened(self) -> QuantizedWeight:
-        """The same weights in q8_0 (exact: a 4-bit code is an 8-bit one)."""
+        """The same weights in q8_0 (exact: a 4- or 5-bit code is an 8-bit one)."""
         if self.format == "q8_0":
             return self
         if self.format == PER_CHANNEL:
             raise ValueError("w8a8 (per-channel) weights cannot be fused with block formats")
-        codes = torch.cat((self.qs & 0x0F, self.qs >> 4), -1).to(torch.int16)
-        qs = (codes - OFFSETS[self.format] + OFFSETS["q8_0"]).to(torch.uint8)
+        qs = (self.codes() - OFFSETS[self.format] + OFFSETS["q8_0"]).to(torch.uint8)
         return QuantizedWeight("q8_0", qs, self.d, self.m)
 
     @staticmethod
@@ -97,9 +114,9 @@ class QuantizedWeight:
         m = None
         if any(p.m is not None for p in parts):
             m = torch.cat([p.m if p.m is not None else torch.zeros_like(p.d) for p in parts])
-        return QuantizedWeight(
-            parts[0].format, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m
-        )
+        qh = torch.cat([p.qh for p in parts]) if parts[0].qh is not None else None
+        qs, d = torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts])
+        return QuantizedWeight(parts[0].format, qs, d, m, qh)
 
 
 def quantize_per_channel(w: torch.Tensor) -> QuantizedWeight:
@@ -125,55 +142,56 @@ def from_gguf(type_name: str, data: np.ndarray) -> QuantizedWeight:
 
 
 def _repack(type_name: str, data: np.ndarray) -> QuantizedWeight:
-    fmt, num_halves, quant_bytes = _GGUF_LAYOUT[type_name]
+    fmt, num_halves, high_bytes, quant_bytes = _GGUF_LAYOUT[type_name]
     rows = data.shape[0]
-    raw = np.ascontiguousarray(data).reshape(rows, -1, 2 * num_halves + quant_bytes)
+    raw = np.ascontiguousarray(data).reshape(rows, -1, 2 * num_halves + high_bytes + quant_bytes)
     halves = raw[:, :, : 2 * num_halves].copy().view(np.float16)  # [rows, nb, num_halves]
-    qs = raw[:, :, 2 * num_halves :]
+    high = raw[:, :, 2 * num_halves : 2 * num_halves + high_bytes]
+    qs = raw[:, :, 2 * num_halves + high_bytes :]
     if fmt == "q8_0":
         qs = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     d = torch.from_numpy(np.ascontiguousarray(halves[:, :, 0]))
     m = torch.from_numpy(np.ascontiguousarray(halves[:, :, 1])) if num_halves == 2 else None
-    return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(qs)), d, m)
+    qh = None
+    if high_bytes:  # a little-endian uint32 a block
+        qh = torch.from_numpy(np.ascontiguousarray(high).view("<i4")[:, :, 0].astype(np.int32))
+    return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(qs)), d, m, qh)
 
 
 def _recode(type_name: str, data: np.ndarray) -> QuantizedWeight:
-    """Q5_0/Q5_1/Q4_K/Q5_K: each 32 weights' scale and minimum read from the blocks, the
-    integer codes recovered from the `gguf` package's own dequantization (exactly: a
+    """Q4_K/Q5_K: each 32 weights' scale d * sc and minimum -dmin * m from the super-block,
+    the integer codes recovered from the `gguf` package's own dequantization (exactly: a
     code times its scale is exact in float32, and the division is rounded)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K, dequantize
 
     fmt = _GGUF_RECODED[type_name]
     ggml_type = GGMLQuantizationType[type_name]
-    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
     rows = data.shape[0]
-    raw = np.ascontiguousarray(data).reshape(rows, -1, block_bytes)
-    halves = raw[:, :, :4].copy().view(np.float16).astype(np.float64)  # [rows, blocks, 2]
-    if block_weights == BLOCK:  # Q5_0: d; Q5_1: d, m
-        d = halves[:, :, 0]
-        m = halves[:, :, 1] if type_name == "Q5_1" else np.zeros_like(d)
-    else:  # Q4_K, Q5_K: super-blocks of 8 x 32, 6-bit scales and minimums
-        sc, mn = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))
-        sc = sc.reshape(rows, -1, 8).astype(np.float32)
-        mn = mn.reshape(rows, -1, 8).astype(np.float32)
-        # The same float32 products the gguf package (and llama.cpp) dequantize with.
-        d = (halves[:, :, :1].astype(np.float32) * sc).reshape(rows, -1).astype(np.float64)
-        m = -(halves[:, :, 1:].astype(np.float32) * mn).reshape(rows, -1).astype(np.float64)
+    raw = np.ascontiguousarray(data).reshape(rows, -1, GGML_QUANT_SIZES[ggml_type][1])
+    halves = raw[:, :, :4].copy().view(np.float16).astype(np.float32)  # [rows, blocks, 2]
+    sc, mn = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))  # 6-bit, 8 per super-block
+    sc = sc.reshape(rows, -1, 8).astype(np.float32)
+    mn = mn.reshape(rows, -1, 8).astype(np.float32)
+    # The same float32 products the gguf package (and llama.cpp) dequantize with.
+    d = (halves[:, :, :1] * sc).reshape(rows, -1).astype(np.float64)
+    m = -(halves[:, :, 1:] * mn).reshape(rows, -1).astype(np.float64)
     w = dequantize(raw.reshape(rows, -1), ggml_type).reshape(rows, -1, BLOCK)
     safe_d = np.where(d == 0, 1.0, d)[:, :, None]
     codes = np.rint((w.astype(np.float64) - m[:, :, None]) / safe_d)
-    codes = np.where(d[:, :, None] == 0, 0.0, codes)
-    d16 = torch.from_numpy(d.astype(np.float16))
-    m16 = torch.from_numpy(m.astype(np.float16)) if np.any(m) else None
-    if fmt == "q4_1":
-        codes = codes.astype(np.uint8)
-        qs = codes[:, :, :16] | (codes[:, :, 16:] << 4)
-        return QuantizedWeight(
-            fmt, torch.from_numpy(qs), d16, m16 if m16 is not None else torch.zeros_like(d16)
-        )
-    qs = (codes + OFFSETS["q8_0"]).astype(np.uint8)
-    return QuantizedWeight(fmt, torch.from_numpy(qs), d16, m16)
+    codes = np.where(d[:, :, None] == 0, 0, codes).astype(np.uint32)
+    qs = (codes[:, :, :16] & 0x0F) | ((codes[:, :, 16:] & 0x0F) << 4)
+    qh = None
+    if fmt == "q5_1":  # bit j: code j's fifth bit
+        qh = ((codes >> 4) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+        qh = torch.from_numpy(qh.view(np.int32))
+    return QuantizedWeight(
+        fmt,
+        torch.from_numpy(qs.astype(np.uint8)),
+        torch.from_numpy(d.astype(np.float16)),
+        torch.from_numpy(m.astype(np.float16)),
+        qh,
+    )
 
 
 # ---- GPTQ and AWQ ----------------------------------------------------------------------

@@ -131,7 +131,8 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
             out = torch.empty(weight.shape, dtype=out_dtype)
             module.int8_dequantize(weight.qs, weight.d, out)
             return out
-        return module.dequantize(weight.qs, weight.d, weight.m, weight.format_code, out_dtype)
+        code = weight.format_code
+        return module.dequantize(weight.qs, weight.d, weight.m, code, out_dtype, qh=weight.qh)
 
     on_blocks = int8_activations and module.quant_linear_available()
     int8_small = int8_activations and module.int8_linear_small_available()
@@ -150,7 +151,9 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
                 return y[: x.shape[0]]
         if on_blocks and weight.format != PER_CHANNEL and x.shape[0] <= QUANT_LINEAR_MAX_ROWS:
             code = weight.format_code
-            return module.quant_linear(x.contiguous(), weight.qs, weight.d, weight.m, code, bias)
+            return module.quant_linear(
+                x.contiguous(), weight.qs, weight.d, weight.m, code, bias, qh=weight.qh
+            )
         numel = weight.shape[0] * weight.shape[1]
         buffer = scratch.get(x.dtype)
         if buffer is None or buffer.numel() < numel:
@@ -160,7 +163,7 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
             module.int8_dequantize(weight.qs, weight.d, dense)
         else:
             dense = module.dequantize(
-                weight.qs, weight.d, weight.m, weight.format_code, x.dtype, buffer
+                weight.qs, weight.d, weight.m, weight.format_code, x.dtype, buffer, weight.qh
             )
         return linear(x, dense, bias)
 

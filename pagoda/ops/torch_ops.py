@@ -72,12 +72,10 @@ def decode_attention(
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """A quantized [N, K] weight as a float matrix in `dtype`."""
-    qs = weight.qs
     if weight.format == PER_CHANNEL:
-        return (qs.float() * weight.d.unsqueeze(1)).to(dtype)
-    q = qs.float() if weight.format == "q8_0" else torch.cat((qs & 0x0F, qs >> 4), -1).float()
+        return (weight.qs.float() * weight.d.unsqueeze(1)).to(dtype)
     d = weight.d.float().unsqueeze(-1)  # [N, nb, 1]
-    w = (q - OFFSETS[weight.format]) * d  # exact: an 8-bit integer times an fp16 scale
+    w = (weight.codes() - OFFSETS[weight.format]).float() * d  # exact: a small integer x fp16
     if weight.m is not None:
         w = w + weight.m.float().unsqueeze(-1)
     return w.reshape(weight.shape).to(dtype)
