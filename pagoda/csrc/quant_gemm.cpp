@@ -232,6 +232,7 @@ void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const 
         lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(lo_bits, fifth));
         hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(hi_bits, fifth));
       }
+#pragma GCC unroll 8
       for (int64_t t = 0; t < MT; ++t) {
         const int64_t i = mi + t;
         const int8_t* act = a.q.data() + ((i * groups + g) * (kQ4 ? 2 : 1)) * 64;
@@ -260,14 +261,20 @@ void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const 
   }
 }
 
+// Every weight row is read once per 8 activation rows: up to 8 rows run in one pass.
 template <int64_t Format, typename Tout>
 void dot_all(const Activations& a, const uint8_t* qs, const at::Half* d, const at::Half* m,
              const int32_t* qh, const float* bias, Tout* y, int64_t M, int64_t N, int64_t nb,
              int64_t n0, int64_t n1) {
-  int64_t i = 0;
-  for (; i + 4 <= M; i += 4) dot_rows<Format, 4>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1);
-  for (; i + 2 <= M; i += 2) dot_rows<Format, 2>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1);
-  for (; i < M; ++i) dot_rows<Format, 1>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1);
+  for (int64_t i = 0; i < M; i += 8) {
+    switch (std::min<int64_t>(8, M - i)) {
+#define PAGODA_DOT_ROWS(MT) \
+  case MT: dot_rows<Format, MT>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1); break;
+      PAGODA_DOT_ROWS(1) PAGODA_DOT_ROWS(2) PAGODA_DOT_ROWS(3) PAGODA_DOT_ROWS(4)
+      PAGODA_DOT_ROWS(5) PAGODA_DOT_ROWS(6) PAGODA_DOT_ROWS(7) PAGODA_DOT_ROWS(8)
+#undef PAGODA_DOT_ROWS
+    }
+  }
 }
 #endif
 
