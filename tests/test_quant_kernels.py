@@ -204,8 +204,10 @@ def test_quant_linear_rows_are_independent(fmt):
     qw, _ = make_weight(fmt, 40, 32 * 9, seed=8, adversarial=True)
     x = torch.randn(16, 32 * 9, generator=torch.Generator().manual_seed(8)).bfloat16()
     one_by_one = torch.cat(
-        [module.quant_linear(x[i : i + 1], qw.qs, qw.d, qw.m, qw.format_code, None, qh=qw.qh)
-         for i in range(16)]
+        [
+            module.quant_linear(x[i : i + 1], qw.qs, qw.d, qw.m, qw.format_code, None, qh=qw.qh)
+            for i in range(16)
+        ]
     )
     for rows in (2, 5, 8, 13, 16):
         got = module.quant_linear(x[:rows], qw.qs, qw.d, qw.m, qw.format_code, None, qh=qw.qh)
