@@ -63,6 +63,63 @@ class SchedulerConfig:
     max_model_len: int
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
+    speculative: SpeculativeConfig | None = None
+
+
+SPECULATIVE_METHODS = ("ngram",)
+# The decode kernels read each weight once for up to 8 rows: a request and 7 drafts.
+MAX_SPECULATIVE_TOKENS = 7
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `speculative_config` (a dict on EngineArgs, JSON on
+    the command line). "ngram" is prompt lookup: the k tokens that followed the most
+    recent earlier occurrence of the sequence's last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) are verified in one forward."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: drafts verified per step and request
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # No drafts in a step where at least this many requests run: the extra rows cost
+    # more than they save once the batch alone keeps the kernels busy.
+    disable_by_batch_size: int = 4
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {spec!r}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}."
+            )
+        config = cls(**spec)
+        if config.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                f"got {config.method!r} (a draft model is not supported yet)."
+            )
+        for name in known - {"method"}:
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"speculative_config.{name} must be a positive integer, got {value!r}."
+                )
+        if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be at most "
+                f"{MAX_SPECULATIVE_TOKENS}, got {config.num_speculative_tokens}."
+            )
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config.prompt_lookup_min must not exceed prompt_lookup_max "
+                f"({config.prompt_lookup_min} > {config.prompt_lookup_max})."
+            )
+        return config
 
 
 @dataclass(frozen=True)
@@ -104,6 +161,9 @@ class EngineArgs:
     # Quantized linears at small batch quantize their activations to int8 (llama.cpp's
     # way: fast); None: on for bf16/fp16 models, off for float32 ones (exactness first).
     int8_activations: bool | None = None
+    # Speculative decoding (see SpeculativeConfig), e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4}; None: off.
+    speculative_config: dict[str, Any] | None = None
     # Request limits (see RequestLimits).
     max_n: int = RequestLimits.max_n
     max_logprobs: int = RequestLimits.max_logprobs
@@ -169,6 +229,8 @@ class EngineArgs:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}."
             )
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
 
     def create_model_config(self) -> ModelConfig:
         from pagoda.model_executor import model_loader
@@ -239,6 +301,9 @@ class EngineArgs:
             max_model_len=max_model_len,
             scheduling_policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode,
+            speculative=SpeculativeConfig.from_dict(self.speculative_config)
+            if self.speculative_config is not None
+            else None,
         )
 
 

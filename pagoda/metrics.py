@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.core.stats import IterationStats, SchedulerStats
+from pagoda.core.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -102,6 +102,8 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value(stats)))
             yield family
+        if stats.spec_decoding is not None:
+            yield from self._spec_decoding(stats.spec_decoding)
         kv = stats.kv_cache
         info = GaugeMetricFamily(
             "pagoda:cache_config_info",
@@ -111,6 +113,33 @@ class _EngineStatsCollector(Collector):
         labels = [kv.dtype, str(kv.block_size), str(kv.num_blocks_total), str(kv.capacity_tokens)]
         info.add_metric([self.model_name, *labels], 1.0)
         yield info
+
+    def _spec_decoding(self, spec: SpecDecodingStats) -> Iterator[Metric]:
+        for name, doc, value in (
+            ("num_drafts", "Request-steps that verified drafts.", spec.num_drafts),
+            ("num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+            (
+                "num_emitted_tokens",
+                "Tokens emitted by verifying steps (accepted drafts plus one each).",
+                spec.num_emitted_tokens,
+            ),
+        ):
+            family = CounterMetricFamily(f"pagoda:spec_decode_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
+        for name, doc, values in (
+            ("drafted", "Draft tokens proposed at each position.", spec.num_drafted_per_pos),
+            ("accepted", "Draft tokens accepted at each position.", spec.num_accepted_per_pos),
+        ):
+            family = CounterMetricFamily(
+                f"pagoda:spec_decode_num_{name}_tokens_per_pos",
+                doc,
+                labels=["model_name", "position"],
+            )
+            for position, value in enumerate(values):
+                family.add_metric([self.model_name, str(position)], float(value))
+            yield family
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # names are fixed; nothing to check at registration

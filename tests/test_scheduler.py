@@ -114,7 +114,7 @@ class FakeRunner:
         sampling = [item for item in out.scheduled if item.sampling_params is not None]
         return ModelRunnerOutput(
             request_ids=[item.request_id for item in sampling],
-            sampled_token_ids=[FIRST_TOKEN + item.num_output_tokens for item in sampling],
+            sampled_token_ids=[[FIRST_TOKEN + item.num_output_tokens] for item in sampling],
         )
 
 

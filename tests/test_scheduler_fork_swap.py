@@ -30,8 +30,8 @@ class DistinctRunner(FakeRunner):
     def __call__(self, out):
         result = super().__call__(out)
         result.sampled_token_ids = [
-            1000 * (completion_index(rid) + 1) + t - 1000
-            for rid, t in zip(result.request_ids, result.sampled_token_ids, strict=True)
+            [1000 * (completion_index(rid) + 1) + t - 1000]
+            for rid, (t,) in zip(result.request_ids, result.sampled_token_ids, strict=True)
         ]
         return result
 

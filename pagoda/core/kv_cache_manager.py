@@ -123,9 +123,15 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_block_ids: list[int] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_block_ids: list[int] = (),
+        num_lookahead: int = 0,
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones.
+        """Make room for `num_new_tokens` more tokens after the computed ones, and
+        `num_lookahead` past them (speculative drafts: written, maybe rejected, so
+        never made findable by hash).
 
         `new_computed_block_ids` are prefix-cache hits (from `get_computed_blocks`)
         to attach first. If the first token written lands in a block shared with
@@ -137,7 +143,7 @@ class KVCacheManager:
         ref_cnts = self.block_pool.ref_cnts
         num_computed = request.num_computed_tokens + len(new_computed_block_ids) * self.block_size
         num_new_blocks = (
-            cdiv(num_computed + num_new_tokens, self.block_size)
+            cdiv(num_computed + num_new_tokens + num_lookahead, self.block_size)
             - len(block_ids)
             - len(new_computed_block_ids)
         )

@@ -10,7 +10,8 @@ from pagoda.sampling_params import SamplingParams
 @dataclass
 class ScheduledRequest:
     """One request's work this step: compute `token_ids` at positions
-    `num_computed_tokens ...`, using the request's whole `block_ids`."""
+    `num_computed_tokens ...`, using the request's whole `block_ids`. With speculative
+    decoding, the last `num_draft_tokens` of `token_ids` are drafts to verify."""
 
     request_id: str
     token_ids: list[int]
@@ -26,6 +27,7 @@ class ScheduledRequest:
     # positions predict (position p scores token p + 1).
     prompt_logprob_targets: list[int] | None = None
     prompt_logprobs_n: int = 0  # top-N to report per prompt position
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -45,12 +47,14 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Exactly what came back from the device: one sampled id per sampling request."""
+    """Exactly what came back from the device: per sampling request, its new token ids
+    (one, or with speculation the accepted drafts and one sampled after them)."""
 
     request_ids: list[str]
-    sampled_token_ids: list[int]
-    # Per sampling request (same order), when any asked: (chosen id, {token id: (logprob, rank)})
-    logprobs: list[tuple[int, dict[int, tuple[float, int]]] | None] | None = None
+    sampled_token_ids: list[list[int]]
+    # Per sampling request (same order), when any asked: per new token,
+    # (chosen id, {token id: (logprob, rank)})
+    logprobs: list[list[tuple[int, dict[int, tuple[float, int]]]] | None] | None = None
     # Request id -> per position of the chunk: {token id: (logprob, rank)}
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] | None = None
 
@@ -78,7 +82,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: tuple[int, dict[int, tuple[float, int]]] | None = None
+    # Per new token: (chosen id, {token id: (logprob, rank)})
+    logprobs: list[tuple[int, dict[int, tuple[float, int]]]] | None = None
     # (start position, per position {token id: (logprob, rank)})
     prompt_logprobs: tuple[int, list[dict[int, tuple[float, int]]]] | None = None
     scheduled_time: float | None = None  # set on the step that first scheduled the request

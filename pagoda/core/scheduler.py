@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.ngram import propose_ngram
 from pagoda.core.request_queue import RequestQueue, create_request_queue
 from pagoda.core.sched_output import (
     EngineCoreOutput,
@@ -19,7 +20,7 @@ from pagoda.core.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from pagoda.core.stats import SchedulerStats
+from pagoda.core.stats import SchedulerStats, SpecDecodingStats
 from pagoda.request import Request, RequestStatus
 
 
@@ -39,6 +40,11 @@ class Scheduler:
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
+        self.spec_stats = (
+            SpecDecodingStats.empty(config.speculative.num_speculative_tokens)
+            if config.speculative is not None
+            else None
+        )
 
     # ---- queues -------------------------------------------------------------
 
@@ -108,10 +114,21 @@ class Scheduler:
 
         # Running requests first, most important first; victims come from the tail,
         # so a request already scheduled this step is never preempted.
+        spec = self.config.speculative
+        speculate = spec is not None and len(self.running) < spec.disable_by_batch_size
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            drafts = self._propose(request, budget) if speculate else []
+            if (
+                drafts
+                and kv.allocate_slots(request, num_new, num_lookahead=len(drafts)) is not None
+            ):
+                scheduled.append(self._scheduled(request, num_new, drafts))
+                budget -= num_new + len(drafts)
+                i += 1
+                continue
             while kv.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -178,7 +195,8 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advance every scheduled request; append sampled tokens; finish the stopped."""
+        """Advance every scheduled request; append sampled tokens (with speculation, the
+        accepted drafts and one more); finish the stopped."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
         logprobs = dict(zip(runner_output.request_ids, runner_output.logprobs or (), strict=False))
         prompt_logprobs = runner_output.prompt_logprobs or {}
@@ -186,48 +204,56 @@ class Scheduler:
         for item in scheduler_output.scheduled:
             request = self.requests[item.request_id]
             start = request.num_computed_tokens
-            request.num_computed_tokens += len(item.token_ids)
+            token_ids = sampled.get(item.request_id)
+            # Rejected drafts' K/V stays in the blocks, past the computed tokens: the
+            # next step writes over it.
+            num_rejected = item.num_draft_tokens - (len(token_ids) - 1 if token_ids else 0)
+            request.num_computed_tokens += len(item.token_ids) - num_rejected
             prompt_len = request.num_prompt_tokens
             self.num_prompt_tokens_computed += min(request.num_computed_tokens, prompt_len) - min(
                 start, prompt_len
             )
             if request.request_id in self.fork_waiters and self._at_fork_point(request):
                 self._fork(request)
-            token_id = sampled.get(item.request_id)
             scheduled_time = self.newly_scheduled.pop(item.request_id, None)
-            if token_id is None:
-                if item.request_id in prompt_logprobs or scheduled_time is not None:
+            this_prompt_logprobs = (
+                (item.num_computed_tokens, prompt_logprobs[item.request_id])
+                if item.request_id in prompt_logprobs
+                else None
+            )
+            if token_ids is None:
+                if this_prompt_logprobs is not None or scheduled_time is not None:
                     outputs.append(
                         EngineCoreOutput(
                             request.request_id,
                             [],
-                            prompt_logprobs=(
-                                (item.num_computed_tokens, prompt_logprobs[item.request_id])
-                                if item.request_id in prompt_logprobs
-                                else None
-                            ),
+                            prompt_logprobs=this_prompt_logprobs,
                             scheduled_time=scheduled_time,
                         )
                     )
                 continue
-            request.append_output_token(token_id)
-            self.num_generation_tokens += 1
-            status = self._check_stop(request, token_id)
+            if item.num_draft_tokens:
+                self.spec_stats.record(item.num_draft_tokens, len(token_ids) - 1)
+            status = None
+            for n, token_id in enumerate(token_ids, 1):
+                request.append_output_token(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    token_ids = token_ids[:n]
+                    break
+            self.num_generation_tokens += len(token_ids)
             if status is not None:
                 self.running.remove(request)
                 self._free(request, status)
+            token_logprobs = logprobs.get(item.request_id)
             outputs.append(
                 EngineCoreOutput(
                     request.request_id,
-                    [token_id],
+                    token_ids,
                     request.status.finish_reason,
                     request.stop_reason,
-                    logprobs=logprobs.get(item.request_id),
-                    prompt_logprobs=(
-                        (item.num_computed_tokens, prompt_logprobs[item.request_id])
-                        if item.request_id in prompt_logprobs
-                        else None
-                    ),
+                    logprobs=token_logprobs[: len(token_ids)] if token_logprobs else None,
+                    prompt_logprobs=this_prompt_logprobs,
                     scheduled_time=scheduled_time,
                 )
             )
@@ -241,6 +267,26 @@ class Scheduler:
         if request.request_id in self.fork_waiters:
             limit = request.num_prompt_tokens - 1  # stop at the fork point
         return min(limit - num_computed, budget)
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a request about to decode its last token; [] if none fit."""
+        spec = self.config.speculative
+        if (
+            request.num_computed_tokens != request.num_tokens - 1
+            or request.request_id in self.fork_waiters
+        ):
+            return []
+        params = request.sampling_params
+        # All drafts accepted means k + 1 new tokens: within max_tokens and max_model_len.
+        room = self.config.max_model_len - request.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        k = min(spec.num_speculative_tokens, budget - 1, room)
+        if k < 1:
+            return []
+        return propose_ngram(
+            request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
 
     def _at_fork_point(self, request: Request) -> bool:
         return request.num_computed_tokens == request.num_prompt_tokens - 1
@@ -303,7 +349,9 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, drafts: list[int] = ()
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         params = request.sampling_params
         samples = start + num_new == request.num_tokens
@@ -313,8 +361,9 @@ class Scheduler:
         )
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
             num_computed_tokens=start,
+            num_draft_tokens=len(drafts),
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sampling_params=params if samples else None,
             num_output_tokens=request.num_output_tokens,
@@ -374,4 +423,5 @@ class Scheduler:
             if allocated_slots
             else 0.0,
             kv_cache=kv_stats,
+            spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
         )

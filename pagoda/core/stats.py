@@ -38,6 +38,61 @@ class KVCacheStats:
         )
 
 
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding since start: drafts proposed, accepted, and tokens emitted
+    by the steps that verified them (accepted drafts plus one sampled token each)."""
+
+    num_drafts: int  # request-steps that verified drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_emitted_tokens: int
+    # Position i (0-based) of a draft: how often one was proposed there, and accepted.
+    num_drafted_per_pos: list[int]
+    num_accepted_per_pos: list[int]
+
+    @classmethod
+    def empty(cls, num_speculative_tokens: int) -> SpecDecodingStats:
+        return cls(0, 0, 0, 0, [0] * num_speculative_tokens, [0] * num_speculative_tokens)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_accepted + 1
+        for i in range(num_draft_tokens):  # at most k: a few per request-step
+            self.num_drafted_per_pos[i] += 1
+            self.num_accepted_per_pos[i] += i < num_accepted
+
+    def snapshot(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            self.num_emitted_tokens,
+            list(self.num_drafted_per_pos),
+            list(self.num_accepted_per_pos),
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return [
+            accepted / drafted if drafted else 0.0
+            for accepted, drafted in zip(
+                self.num_accepted_per_pos, self.num_drafted_per_pos, strict=True
+            )
+        ]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying request-step (1 means no draft ever accepted)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     num_requests_running: int  # sequences in the running batch (a request with n > 1 counts n)
@@ -49,6 +104,7 @@ class SchedulerStats:
     # Of the slots in running requests' blocks, the percentage holding no token yet.
     kv_cache_fragmentation_perc: float
     kv_cache: KVCacheStats
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
 
     @property
     def num_preemptions(self) -> int:

@@ -260,16 +260,28 @@ class OutputProcessor:
         elif m.last_token_time != now:  # one gap per request per step, however many children
             stats.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
-        stats.num_generation_tokens += len(out.new_token_ids)
-        c.num_tokens += len(out.new_token_ids)
-        c.new_token_ids += out.new_token_ids
+        new_token_ids = out.new_token_ids
+        last = out.finish_reason is not None
+        if len(new_token_ids) > 1 and c.detokenizer.stop:
+            # Several tokens in one step (speculative decoding): a stop string ends the
+            # completion at the token that completes it, as one token a step would.
+            text, stop_str = "", None
+            for n, token_id in enumerate(new_token_ids, 1):
+                is_last = last and n == len(new_token_ids)
+                piece, stop_str = c.detokenizer.add_tokens([token_id], last=is_last)
+                text += piece
+                if stop_str is not None:
+                    new_token_ids = new_token_ids[:n]
+                    break
+        else:
+            text, stop_str = c.detokenizer.add_tokens(new_token_ids, last=last)
+        stats.num_generation_tokens += len(new_token_ids)
+        c.num_tokens += len(new_token_ids)
+        c.new_token_ids += new_token_ids
         if out.logprobs is not None and c.wants_logprobs:
-            chosen, entry = out.logprobs
-            c.new_logprobs.append(self._to_logprobs(entry))
-            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + entry[chosen][0]
-        text, stop_str = c.detokenizer.add_tokens(
-            out.new_token_ids, last=out.finish_reason is not None
-        )
+            for chosen, entry in out.logprobs[: len(new_token_ids)]:
+                c.new_logprobs.append(self._to_logprobs(entry))
+                c.cumulative_logprob = (c.cumulative_logprob or 0.0) + entry[chosen][0]
         c.new_text += text
         if stop_str is not None:
             c.finish("stop", stop_str)

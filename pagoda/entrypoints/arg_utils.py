@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +17,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if isinstance(default, bool) or f.type == "bool | None":
+        if f.name == "speculative_config":  # JSON, as vLLM's --speculative-config
+            parser.add_argument(flag, type=json.loads, default=default)
+        elif isinstance(default, bool) or f.type == "bool | None":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, tuple):  # a list of strings
             parser.add_argument(flag, nargs="+", default=default)

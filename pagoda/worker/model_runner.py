@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -95,8 +96,9 @@ class ModelRunner:
         """Run the scheduled requests (after `move_blocks`). Each request's result depends
         on its own inputs alone and its K/V writes are idempotent, so the engine may run
         any subset of a step again (how it isolates a request that fails)."""
-        # Decodes (one query token) first: attention batches them in one call.
-        reqs = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)
+        # Decodes (one query token, or one and its drafts) first: attention batches
+        # them in one call.
+        reqs = sorted(sched.scheduled, key=lambda r: not _is_decode(r))
         if not reqs:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
@@ -106,23 +108,34 @@ class ModelRunner:
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sampling_params is not None]
         if not sampling:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
-        rows = torch.tensor([i for i, _ in sampling])
-        logits = self.model.compute_logits(hidden[cu_q[rows + 1] - 1])  # [B, V], model dtype
         sampled = [r for _, r in sampling]
-        st = SamplingTensors.from_requests(sampled, self.vocab_size)
-        token_ids = sample(logits, st, self.generator)
-        logprobs = None
+        # One logits row per sampled position: a request's last token, or with drafts
+        # each of its positions (position j samples what follows draft j).
+        rows, row_reqs = [], []
+        for i, r in sampling:
+            end = int(cu_q[i + 1])
+            rows += range(end - 1 - r.num_draft_tokens, end)
+            row_reqs += _draft_rows(r) if r.num_draft_tokens else [r]
+        logits = self.model.compute_logits(hidden[rows])  # [rows, V], model dtype
+        st = SamplingTensors.from_requests(row_reqs, self.vocab_size)
+        row_tokens = sample(logits, st, self.generator).tolist()
+        row_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in sampled):
-            num_top = [r.sampling_params.logprobs or 0 for r in sampled]
-            logprobs = compute_logprobs(logits.float(), token_ids, num_top)
-            logprobs = [
-                lp if r.sampling_params.logprobs is not None else None
-                for lp, r in zip(logprobs, sampled, strict=True)
-            ]
+            num_top = [r.sampling_params.logprobs or 0 for r in row_reqs]
+            row_logprobs = compute_logprobs(logits.float(), torch.tensor(row_tokens), num_top)
+        token_ids, logprobs, row = [], [], 0
+        for r in sampled:
+            n = _num_accepted(r, row_tokens[row : row + r.num_draft_tokens + 1]) + 1
+            token_ids.append(row_tokens[row : row + n])
+            if row_logprobs is not None and r.sampling_params.logprobs is not None:
+                logprobs.append(row_logprobs[row : row + n])
+            else:
+                logprobs.append(None)
+            row += r.num_draft_tokens + 1
         return ModelRunnerOutput(
             [r.request_id for r in sampled],
-            token_ids.tolist(),
-            logprobs=logprobs,
+            token_ids,
+            logprobs=logprobs if row_logprobs is not None else None,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -172,21 +185,57 @@ class ModelRunner:
         req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
         positions = torch.arange(num_tokens) - cu_q[req_idx] + context_lens[req_idx]
         slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
-        num_decodes = int((query_lens == 1).sum())
-        seq_lens = context_lens + query_lens
+        # Decode rows are tokens: a request's drafts are decodes at successive positions,
+        # each seeing the context up to itself, exactly as decoding them one by one would.
+        num_decode_reqs = sum(1 for r in reqs if _is_decode(r))
+        num_decodes = int(cu_q[num_decode_reqs])
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,
-            decode_block_tables=block_tables[:num_decodes],
-            decode_seq_lens=seq_lens[:num_decodes],
-            prefill_query_starts=cu_q[num_decodes:-1].tolist(),
-            prefill_query_lens=query_lens[num_decodes:].tolist(),
-            prefill_context_lens=context_lens[num_decodes:].tolist(),
+            decode_block_tables=block_tables[req_idx[:num_decodes]],
+            decode_seq_lens=positions[:num_decodes] + 1,
+            prefill_query_starts=cu_q[num_decode_reqs:-1].tolist(),
+            prefill_query_lens=query_lens[num_decode_reqs:].tolist(),
+            prefill_context_lens=context_lens[num_decode_reqs:].tolist(),
             prefill_block_tables=[
-                block_tables[i, : len(reqs[i].block_ids)] for i in range(num_decodes, len(reqs))
+                block_tables[i, : len(reqs[i].block_ids)] for i in range(num_decode_reqs, len(reqs))
             ],
         )
         return input_ids, positions, meta, cu_q
+
+
+def _is_decode(r: ScheduledRequest) -> bool:
+    return len(r.token_ids) == 1 or r.num_draft_tokens > 0
+
+
+def _draft_rows(r: ScheduledRequest) -> list[ScheduledRequest]:
+    """The request as its sampler sees it at each drafted position: position j follows
+    drafts 0..j-1, as if they had been accepted (penalties, min_tokens, bad words and a
+    seed's draw all follow the output so far), so a draft is kept exactly when the
+    target samples it, and what is emitted is what decoding one token a step emits."""
+    drafts = r.token_ids[len(r.token_ids) - r.num_draft_tokens :]
+    return [
+        replace(
+            r,
+            num_output_tokens=r.num_output_tokens + j,
+            output_token_ids=None
+            if r.output_token_ids is None
+            else r.output_token_ids + drafts[:j],
+        )
+        for j in range(r.num_draft_tokens + 1)
+    ]
+
+
+def _num_accepted(r: ScheduledRequest, sampled: list[int]) -> int:
+    """Drafts kept: the longest run that the target's samples at their positions match.
+    (For a point-mass draft, as n-gram lookup is, this is rejection sampling: draft x
+    survives with probability p(x), and a rejected one is replaced by a sample of p
+    without x.)"""
+    drafts = r.token_ids[len(r.token_ids) - r.num_draft_tokens :]
+    n = 0
+    while n < len(drafts) and drafts[n] == sampled[n]:
+        n += 1
+    return n
 
 
 def _release_free_memory() -> None:
