@@ -10,7 +10,16 @@ import json
 import random
 from dataclasses import dataclass
 
-WORKLOADS = ("mixed", "uniform", "shared-prefix", "long", "online")
+WORKLOADS = ("mixed", "uniform", "shared-prefix", "long", "online", "grounded")
+
+# `grounded`: asks whose answer repeats text from the prompt, as summarizing, editing
+# and extraction do (where n-gram speculation pays). Passages from the shipped prose.
+GROUNDED_ASKS = (
+    "Copy the following passage exactly, word for word.",
+    "Fix any spelling mistakes in the following passage and return the whole passage.",
+    "Quote the following passage in full, then say in one sentence what it is about.",
+    "Rewrite the following passage with one sentence per line, changing no words.",
+)
 
 
 @dataclass
@@ -54,11 +63,35 @@ def make_workload(
         reqs = [
             BenchRequest(prefix + tokens(rng.randint(16, 64)), 64) for _ in range(num_prompts or 64)
         ]
+    elif name == "grounded":
+        reqs = _grounded(tokenizer, rng, num_prompts or 16)
     else:  # long
         prompt_len = 4096 if max_model_len is None else min(4096, max_model_len - 64)
         reqs = [BenchRequest(tokens(prompt_len), 64) for _ in range(num_prompts or 8)]
     if name == "online" or request_rate != float("inf"):
         assign_poisson_arrivals(reqs, request_rate, rng)
+    return reqs
+
+
+def _grounded(tokenizer, rng: random.Random, n: int) -> list[BenchRequest]:
+    """Chat prompts (plain text without a chat template) holding a passage of 60 to 160
+    tokens that the answer repeats; the output is the passage's length and a bit."""
+    from importlib.resources import files
+
+    text = files("pagoda.eval").joinpath("heldout.txt").read_text(encoding="utf-8")
+    passages = [p for p in text.split("\n\n") if 60 <= len(tokenizer.encode(p)) <= 160]
+    reqs = []
+    for _ in range(n):
+        passage = rng.choice(passages)
+        content = f"{rng.choice(GROUNDED_ASKS)}\n\n{passage}"
+        if getattr(tokenizer, "chat_template", None):
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            prompt = content + "\n\n"
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        reqs.append(BenchRequest(ids, len(tokenizer.encode(passage)) + 16, prompt=prompt))
     return reqs
 
 
