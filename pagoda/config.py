@@ -36,6 +36,7 @@ class ModelConfig:
     quantization: str  # see QUANTIZATIONS
     keep_full_precision: tuple[str, ...]  # module-name patterns that stay unquantized
     int8_activations: bool  # quantized linears quantize their activations to int8
+    enforce_eager: bool  # no C++ decode loop: every step through the Python model
     max_model_len: int
     max_model_len_is_default: bool
     eos_token_ids: tuple[int, ...]
@@ -161,6 +162,9 @@ class EngineArgs:
     # Quantized linears at small batch quantize their activations to int8 (llama.cpp's
     # way: fast); None: on for bf16/fp16 models, off for float32 ones (exactness first).
     int8_activations: bool | None = None
+    # Decode steps of a few rows run the layers in one C++ call (csrc/decode_loop.cpp,
+    # bitwise the same result); True keeps every step in the Python model (vLLM's name).
+    enforce_eager: bool = False
     # Speculative decoding (see SpeculativeConfig), e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; None: off.
     speculative_config: dict[str, Any] | None = None
@@ -266,6 +270,7 @@ class EngineArgs:
             int8_activations=self.int8_activations
             if self.int8_activations is not None
             else dtype != "float32",
+            enforce_eager=self.enforce_eager,
             max_model_len=self.max_model_len or model_max_len,
             max_model_len_is_default=self.max_model_len is None,
             eos_token_ids=eos_token_ids,

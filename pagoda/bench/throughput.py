@@ -13,6 +13,7 @@ isolates scheduling:
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import resource
 import time
@@ -57,6 +58,7 @@ def run_pagoda(
         for r in reqs
     ]
     seen_tokens = [0] * len(reqs)
+    outputs_by_id: dict[int, list[int]] = {}
     steps, peak_blocks = 0, 0
     paged_eff, contiguous_eff, exact_eff = [], [], []
     bar = tqdm(total=len(reqs), desc=f"pagoda {batching}", disable=not progress, dynamic_ncols=True)
@@ -108,6 +110,7 @@ def run_pagoda(
             seen_tokens[i] = n
             if out.finished:
                 in_engine.discard(out.request_id)
+                outputs_by_id[i] = out.outputs[0].token_ids
                 bar.update(1)
     duration = time.perf_counter() - start
     bar.close()
@@ -128,7 +131,18 @@ def run_pagoda(
         prompt_tokens_computed=stats.num_prompt_tokens,
         batching=batching,
         batch_size=batch_size if batching != "continuous" else None,
+        # Equal digests: the same tokens (e.g. with and without speculative decoding).
+        outputs_digest=hashlib.sha256(
+            repr([outputs_by_id[i] for i in range(len(reqs))]).encode()
+        ).hexdigest()[:16],
     )
+    if stats.spec_decoding is not None:
+        spec = stats.spec_decoding
+        result.update(
+            spec_acceptance_rate=spec.acceptance_rate,
+            spec_acceptance_rate_per_pos=spec.acceptance_rate_per_pos,
+            spec_mean_accepted_length=spec.mean_accepted_length,
+        )
     return result
 
 

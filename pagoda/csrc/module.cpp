@@ -23,6 +23,7 @@ at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
 at::Tensor int8_linear_large(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
 void int8_dequantize(at::Tensor w, at::Tensor w_scale, at::Tensor out);
+void bind_decode_loop(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)",
@@ -48,4 +49,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_large", &int8_linear_large,
         "W8A8 y = x @ w.T, many rows: per-row int8 activations, oneDNN integer GEMM (CPU)");
   m.def("int8_dequantize", &int8_dequantize, "out = w * w_scale[:, None], per-channel int8 (CPU)");
+  bind_decode_loop(m);
 }

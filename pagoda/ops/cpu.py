@@ -28,6 +28,7 @@ _SOURCES = [
         "fused_ops.cpp",
         "quant_gemm.cpp",
         "w8a8_gemm.cpp",
+        "decode_loop.cpp",
     )
 ]
 
@@ -107,6 +108,9 @@ QUANT_LINEAR_MAX_ROWS = 16
 # 144 vs 140 at 512, 487 vs 215 at 2,048.
 INT8_SMALL_MAX_ROWS = 8
 W8A8_INT_MAX_ROWS = 256
+# The C++ decode loop runs steps of up to this many rows, where every linear takes its
+# small-batch kernel (small_gemm, int8_linear_small, quant_linear).
+DECODE_LOOP_MAX_ROWS = min(SMALL_GEMM_MAX_ROWS, INT8_SMALL_MAX_ROWS, QUANT_LINEAR_MAX_ROWS)
 
 
 def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
@@ -167,6 +171,19 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
             )
         return linear(x, dense, bias)
 
+    def decode_loop_linear(weight: torch.Tensor | None, qweight, bias):
+        """The C++ decode loop's arguments for a linear that it runs exactly as
+        `linear`/`quant_linear` above do at up to DECODE_LOOP_MAX_ROWS rows, or None."""
+        if qweight is None:
+            if weight.dtype == torch.bfloat16 and small_gemm is None:
+                return None
+            return (0, weight, None, None, None, 0, bias)
+        if qweight.format == PER_CHANNEL:
+            return (2, qweight.qs, qweight.d, None, None, 0, bias) if int8_small else None
+        if not on_blocks:
+            return None
+        return (1, qweight.qs, qweight.d, qweight.m, qweight.qh, qweight.format_code, bias)
+
     def add_rms_norm(x, residual, weight, eps):
         module.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
         return x, residual
@@ -184,4 +201,7 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
         add_rms_norm=add_rms_norm,
         rotary_embedding=rotary_embedding,
         decode_attention=module.paged_decode_attention,
+        decode_loop=module.DecodeLoop,
+        decode_loop_linear=decode_loop_linear,
+        decode_loop_max_rows=DECODE_LOOP_MAX_ROWS,
     )

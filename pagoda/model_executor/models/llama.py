@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.attention.context import get_attention_metadata
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.linear import Embedding, Linear
@@ -102,9 +103,63 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, ops, rotary_emb) for _ in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ops)
+        self.ops = ops
+        self.decode_loop = None  # see build_decode_loop
+
+    def build_decode_loop(self) -> bool:
+        """Hand the layers to the C++ decode loop (csrc/decode_loop.cpp), which then runs
+        decode-only steps of a few rows, with the same kernels in the same order as
+        `forward` (bitwise the same result) and no Python between them. Call once the
+        weights are loaded and the KV cache is bound. Returns whether it could: the
+        kernels must be built, the cache unquantized, and every linear one the loop
+        runs as the kernel layer would."""
+        ops = self.ops
+        if ops.decode_loop is None or any(
+            layer.self_attn.attn.kv.quantized for layer in self.layers
+        ):
+            return False
+        attn = self.layers[0].self_attn
+        loop = ops.decode_loop(
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.attn.scale,
+            self.norm.eps,
+            attn.rotary_emb.cos,
+            attn.rotary_emb.sin,
+            self.norm.weight,
+        )
+        for layer in self.layers:
+            linears = []
+            for linear in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
+                args = ops.decode_loop_linear(linear.weight, linear.qweight, linear.bias)
+                if args is None:
+                    return False
+                linears.append(loop.add_linear(*args))
+            kv = layer.self_attn.attn.kv
+            loop.add_layer(
+                *linears,
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                kv.k,
+                kv.v,
+            )
+        self.decode_loop = loop
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        if self.decode_loop is not None and x.shape[0] <= self.ops.decode_loop_max_rows:
+            meta = get_attention_metadata()
+            if meta.num_decodes == x.shape[0]:
+                return self.decode_loop.run(
+                    x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
+                )
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
@@ -136,6 +191,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions)
+
+    def build_decode_loop(self) -> bool:
+        return self.model.build_decode_loop()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,137 @@
+// A decode step's layers in one C++ call: the same kernels, in the same order, with the
+// same arguments as the Python model's forward (pagoda/model_executor/models/llama.py),
+// so each row's result is bitwise what eager mode gives; what goes away is the Python
+// between them (about 40 module calls, views and dispatches per layer).
+//
+// Built once per engine (pagoda/model_executor/decode_loop.py) from the loaded weights
+// and the KV cache tensors, for steps where every row is a decode row (one query token
+// at its own position, drafts included) and at most 8 rows run: the kernels' small-batch
+// paths. Everything else takes the Python path.
+#include <ATen/ATen.h>
+
+#include <vector>
+
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  c10::optional<at::Tensor> k_scales,
+                                  c10::optional<at::Tensor> v_scales);
+at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
+at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                        int64_t format, c10::optional<at::Tensor> bias,
+                        c10::optional<at::Tensor> qh);
+at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
+                             c10::optional<at::Tensor> bias);
+
+namespace {
+
+enum LinearKind : int64_t { kDense = 0, kBlocks = 1, kPerChannel = 2 };
+
+struct Linear {
+  int64_t kind;
+  at::Tensor w;  // dense [N, K], or the quants (qs)
+  c10::optional<at::Tensor> d, m, qh, bias;
+  int64_t format;
+
+  // As pagoda.ops.cpu dispatches a few rows: small_gemm (bf16) or F.linear (float32),
+  // quant_linear on the blocks, int8_linear_small per channel.
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kind) {
+      case kBlocks: return quant_linear(x.contiguous(), w, *d, m, format, bias, qh);
+      case kPerChannel: return int8_linear_small(x.contiguous(), w, *d, bias);
+      default:
+        return x.scalar_type() == at::kBFloat16 ? small_gemm(x, w, bias) : at::linear(x, w, bias);
+    }
+  }
+};
+
+struct Layer {
+  int64_t qkv, o, gate_up, down;  // indices into DecodeLoop::linears
+  at::Tensor input_norm, post_attention_norm;
+  at::Tensor k_cache, v_cache;  // [num_blocks, block_size, KVH, D]
+};
+
+}  // namespace
+
+class DecodeLoop {
+ public:
+  DecodeLoop(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+             at::Tensor cos, at::Tensor sin, at::Tensor final_norm)
+      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), scale_(scale), eps_(eps), cos_(cos),
+        sin_(sin), final_norm_(final_norm) {}
+
+  int64_t add_linear(int64_t kind, at::Tensor w, c10::optional<at::Tensor> d,
+                     c10::optional<at::Tensor> m, c10::optional<at::Tensor> qh, int64_t format,
+                     c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(kind >= kDense && kind <= kPerChannel, "unknown linear kind ", kind);
+    TORCH_CHECK(kind == kDense || d.has_value(), "a quantized linear needs its scales");
+    linears_.push_back({kind, w, d, m, qh, bias, format});
+    return static_cast<int64_t>(linears_.size()) - 1;
+  }
+
+  void add_layer(int64_t qkv, int64_t o, int64_t gate_up, int64_t down, at::Tensor input_norm,
+                 at::Tensor post_attention_norm, at::Tensor k_cache, at::Tensor v_cache) {
+    const int64_t n = static_cast<int64_t>(linears_.size());
+    for (int64_t i : {qkv, o, gate_up, down}) TORCH_CHECK(i >= 0 && i < n, "no linear ", i);
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == KVH_ && k_cache.size(3) == D_,
+                "k_cache must be [blocks, block_size, KVH, D]");
+    layers_.push_back({qkv, o, gate_up, down, input_norm, post_attention_norm, k_cache, v_cache});
+  }
+
+  // x: [T, hidden], the embedded tokens (written over) -> the final norm's output.
+  at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
+                 at::Tensor block_tables, at::Tensor seq_lens) {
+    const int64_t T = x.size(0), q_size = H_ * D_, kv_size = KVH_ * D_;
+    at::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      at::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = rms_norm(x, L.input_norm, eps_);
+      } else {
+        fused_add_rms_norm(x, residual, L.input_norm, eps_);
+        h = x;
+      }
+      const std::vector<at::Tensor> qkv = linears_[L.qkv](h).split({q_size + kv_size, kv_size}, -1);
+      const at::Tensor qk = qkv[0].view({T, H_ + KVH_, D_});
+      rotary_embedding(qk, positions, cos_, sin_);
+      const std::vector<at::Tensor> q_k = qk.split({H_, KVH_}, 1);
+      L.k_cache.view({-1, KVH_, D_}).index_copy_(0, slot_mapping, q_k[1]);
+      L.v_cache.view({-1, KVH_, D_}).index_copy_(0, slot_mapping, qkv[1].view({T, KVH_, D_}));
+      const at::Tensor o = paged_decode_attention(q_k[0], L.k_cache, L.v_cache, block_tables,
+                                                  seq_lens, scale_, c10::nullopt, c10::nullopt);
+      h = linears_[L.o](o.reshape({T, q_size}));
+      fused_add_rms_norm(h, residual, L.post_attention_norm, eps_);
+      const std::vector<at::Tensor> gate_up = linears_[L.gate_up](h).chunk(2, -1);
+      x = linears_[L.down](at::silu(gate_up[0]) * gate_up[1]);
+    }
+    fused_add_rms_norm(x, residual, final_norm_, eps_);
+    return x;
+  }
+
+ private:
+  int64_t H_, KVH_, D_;
+  double scale_, eps_;
+  at::Tensor cos_, sin_, final_norm_;
+  std::vector<Linear> linears_;
+  std::vector<Layer> layers_;
+};
+
+// The binding lives here with the class (module.cpp calls this).
+#include <torch/extension.h>
+
+void bind_decode_loop(py::module_& m) {
+  py::class_<DecodeLoop>(m, "DecodeLoop")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
+           py::arg("eps"),
+           py::arg("cos"), py::arg("sin"), py::arg("final_norm"))
+      .def("add_linear", &DecodeLoop::add_linear, py::arg("kind"), py::arg("w"), py::arg("d"),
+           py::arg("m"), py::arg("qh"), py::arg("format"), py::arg("bias"))
+      .def("add_layer", &DecodeLoop::add_layer)
+      .def("run", &DecodeLoop::run, "The decode step's layers and final norm (x written over)",
+           py::call_guard<py::gil_scoped_release>());
+}

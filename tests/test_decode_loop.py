@@ -1,0 +1,65 @@
+"""The C++ decode loop (csrc/decode_loop.cpp) against the Python model it stands in for:
+the same tokens and bitwise the same logprobs, for each kind of linear it runs (dense
+float32 and bf16, q4_1 and q8_0 blocks, w8a8, q/k/v bias), at one to eight rows, and
+with speculative drafts (decode rows at successive positions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.ops import cpu
+from tests.conftest import tiny_prompts
+
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the C++ kernels do not build here")
+
+
+def run(model: str, prompts, enforce_eager: bool, **kwargs):
+    llm = LLM(model, kv_cache_memory_bytes=1 << 23, enforce_eager=enforce_eager, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm.llm_engine.model_runner.decode_loop, [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize(
+    "arch, kwargs",
+    [
+        ("llama", {"dtype": "float32"}),
+        ("llama", {"dtype": "bfloat16"}),
+        ("llama", {"dtype": "bfloat16", "quantization": "q4_1"}),
+        ("llama", {"dtype": "bfloat16", "quantization": "q8_0"}),
+        ("llama", {"dtype": "float32", "quantization": "w8a8", "int8_activations": True}),
+        ("qwen2", {"dtype": "bfloat16", "quantization": "q4_0"}),  # q/k/v bias
+    ],
+)
+@pytest.mark.parametrize("batch", [1, 5, 8])
+def test_decode_loop_equals_eager(tiny_models, arch, kwargs, batch):
+    if kwargs["dtype"] == "bfloat16" and not cpu.load().small_gemm_available():
+        pytest.skip("no AVX512-BF16: bf16 linears are not the loop's")
+    prompts = tiny_prompts(LLM(tiny_models[arch]).get_tokenizer(), batch, seed=batch)
+    used, got = run(tiny_models[arch], prompts, False, **kwargs)
+    assert used, "the decode loop should have been built"
+    _, want = run(tiny_models[arch], prompts, True, **kwargs)
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # bitwise: the same kernels, in the same order
+
+
+def test_decode_loop_with_speculative_drafts(tiny_llama):
+    prompts = tiny_prompts(LLM(tiny_llama).get_tokenizer(), 3, seed=9)
+    prompts = [p + p[:16] for p in prompts]  # repeated text: n-gram drafts
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    kwargs = {"dtype": "float32", "speculative_config": spec}
+    used, got = run(tiny_llama, prompts, False, **kwargs)
+    assert used
+    _, want = run(tiny_llama, prompts, True, **kwargs)
+    assert [a.logprobs for a in got] == [b.logprobs for b in want]
+
+
+def test_not_built_where_it_cannot_run_as_eager(tiny_llama):
+    used, _ = run(tiny_llama, [[5, 6, 7]], False, dtype="float32", kv_cache_dtype="int8")
+    assert not used  # the loop writes an unquantized cache only
+    used, _ = run(tiny_llama, [[5, 6, 7]], True, dtype="float32")
+    assert not used
+    used, _ = run(tiny_llama, [[5, 6, 7]], False, dtype="float32", kernel_backend="torch")
+    assert not used
