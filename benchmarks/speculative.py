@@ -5,6 +5,8 @@
 - `grounded` at batch 1 (max_num_seqs 1: one request at a time), in the model's
   GGUF format and expanded to bf16 (`--quantization none`): output tok/s with
   and without speculation, and whether the greedy outputs are identical;
+- `grounded` at larger batches (max_num_seqs B), speculating whatever the batch
+  size: where it stops paying, which is what `disable_by_batch_size` encodes;
 - `mixed` with 64 in flight, speculation on vs off (it switches itself off at
   `disable_by_batch_size` running requests; this shows what that leaves).
 
@@ -28,6 +30,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--grounded-prompts", type=int, default=16)
+    parser.add_argument("--batch-sizes", default="2,4,8", help="grounded, speculating always")
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args()
     path, is_gguf = resolve_model(ns.model)
@@ -64,6 +67,16 @@ def main() -> None:
         )
         summary[f"grounded_b1_{name}_speedup"] = on["output_throughput"] / off["output_throughput"]
         summary[f"grounded_b1_{name}_identical"] = on["outputs_digest"] == off["outputs_digest"]
+    always = {**spec, "disable_by_batch_size": 1 << 20}
+    for batch in [int(b) for b in ns.batch_sizes.split(",") if b]:
+        reqs = make_workload("grounded", tokenizer, num_prompts=4 * batch)
+        off = run("grounded", reqs, f"file B={batch}", max_num_seqs=batch)
+        on = run(
+            "grounded", reqs, f"file B={batch} ngram", max_num_seqs=batch, speculative_config=always
+        )
+        summary[f"grounded_b{batch}_file_speedup"] = (
+            on["output_throughput"] / off["output_throughput"]
+        )
     off = run("mixed", mixed, "64 in flight")
     on = run("mixed", mixed, "64 in flight ngram", speculative_config=spec)
     summary["mixed_ratio"] = on["output_throughput"] / off["output_throughput"]
