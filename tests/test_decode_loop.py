@@ -18,7 +18,7 @@ def run(model: str, prompts, enforce_eager: bool, **kwargs):
     llm = LLM(model, kv_cache_memory_bytes=1 << 23, enforce_eager=enforce_eager, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return llm.llm_engine.model_runner.decode_loop, [o.outputs[0] for o in outs]
+    return llm.llm_engine.model_runner.uses_decode_loop, [o.outputs[0] for o in outs]
 
 
 @pytest.mark.parametrize(

@@ -344,3 +344,73 @@ def test_server_speculative_config_and_metrics(tiny_llama):
     ]
     assert len(drafts) == NGRAM["num_speculative_tokens"] and drafts[0] > 0
     assert "pagoda:spec_decode_num_accepted_tokens_total{" in metrics
+
+
+# ---- the scheduler alone: drafts' blocks -------------------------------------------------
+
+
+def spec_scheduler(num_blocks: int, k: int, **config):
+    import dataclasses
+
+    from pagoda.config import SchedulerConfig
+    from pagoda.core.kv_cache_manager import KVCacheManager
+    from pagoda.core.scheduler import Scheduler
+    from pagoda.request import Request
+
+    cfg = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=1024,
+        speculative=SpeculativeConfig.from_dict({"num_speculative_tokens": k}),
+        **config,
+    )
+    kv = KVCacheManager(num_blocks, 4, True, num_host_blocks=16)
+    scheduler = Scheduler(cfg, kv)
+
+    def request(rid: str, prompt: list[int], priority: int = 0) -> Request:
+        params = dataclasses.replace(SamplingParams(max_tokens=100), eos_token_ids=())
+        return Request(rid, prompt, params, priority, 0.0)
+
+    def step(answers: dict[str, list[int]]):
+        from pagoda.core.sched_output import ModelRunnerOutput
+
+        out = scheduler.schedule()
+        ids = [s.request_id for s in out.scheduled if s.sampling_params is not None]
+        scheduler.update_from_output(out, ModelRunnerOutput(ids, [answers[i] for i in ids]))
+        return out
+
+    return scheduler, kv, request, step
+
+
+def test_rejected_drafts_give_their_blocks_back_and_swap_in_fits():
+    """A's drafts take 4 blocks and are rejected; then B swaps A out. A must come back
+    in the blocks its computed tokens need (it once took more, and crashed swap-in)."""
+    scheduler, kv, request, step = spec_scheduler(7, 4, scheduling_policy="priority",
+                                                  preemption_mode="swap")  # fmt: skip
+    scheduler.add_request(request("A", [1, 2, 3, 4, 5, 1, 2, 3], priority=5))
+    step({"A": [4]})
+    out = step({"A": [7]})  # drafts 5 1 2 3, the target says 7
+    assert out.scheduled[0].num_draft_tokens == 4
+    assert kv.num_blocks_of("A") == 3  # 10 tokens computed: 3 blocks, not 4
+    scheduler.add_request(request("B", list(range(100, 115))))
+    for n in range(4):
+        step({"A": [900 + n], "B": [800 + n]})
+    assert scheduler.get_stats().num_preemptions_swap == 1
+    assert kv.is_swapped(scheduler.requests["A"])
+    assert len(kv.requests["A"].host_block_ids) == 3
+    from pagoda.request import RequestStatus
+
+    scheduler.finish_requests(["B"], RequestStatus.FINISHED_ABORTED)
+    out = step({"A": [950]})
+    assert len(out.blocks_to_swap_in) == 3 and [s.request_id for s in out.scheduled] == ["A"]
+
+
+def test_drafts_never_preempt_another_request():
+    scheduler, kv, request, step = spec_scheduler(7, 7)
+    scheduler.add_request(request("A", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]))
+    scheduler.add_request(request("B", [50, 51, 52, 53, 54, 55, 56, 57]))
+    step({"A": [3], "B": [60]})
+    out = step({"A": [99], "B": [61]})  # A drafts 4 5 6 ... but only into a spare block
+    assert not out.preempted_request_ids
+    assert [s.request_id for s in out.scheduled] == ["A", "B"]
+    assert 0 < out.scheduled[0].num_draft_tokens < 7

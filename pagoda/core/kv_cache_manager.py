@@ -189,6 +189,16 @@ class KVCacheManager:
             self.block_pool.cache_full_block(record.block_ids[i], hashes[i])
         record.num_cached_blocks = num_full
 
+    def free_past(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past the first `num_tokens` tokens' (those held
+        for rejected speculative drafts: never hashed, never shared)."""
+        record = self.requests.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if record is None or len(record.block_ids) <= keep:
+            return
+        self.block_pool.free_blocks(reversed(record.block_ids[keep:]))
+        del record.block_ids[keep:]
+
     def forget_uncomputed(self, request: Request) -> set[int]:
         """After a failed step: the request's blocks past its computed tokens may never
         have been written, yet were findable from the moment they were allocated. They
@@ -237,7 +247,9 @@ class KVCacheManager:
         """
         record = self.requests[request.request_id]
         host_ids = record.host_block_ids
-        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        num_needed = max(
+            len(host_ids), cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        )
         if num_needed > self.block_pool.num_free_blocks:
             return None
         device_ids = self.block_pool.get_new_blocks(len(host_ids))

@@ -120,7 +120,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            drafts = self._propose(request, budget) if speculate else []
+            # Drafts never take a block that a request after this one may need.
+            spare_blocks = kv.block_pool.num_free_blocks - (len(self.running) - i - 1)
+            drafts = self._propose(request, budget, spare_blocks) if speculate else []
             if (
                 drafts
                 and kv.allocate_slots(request, num_new, num_lookahead=len(drafts)) is not None
@@ -209,6 +211,8 @@ class Scheduler:
             # next step writes over it.
             num_rejected = item.num_draft_tokens - (len(token_ids) - 1 if token_ids else 0)
             request.num_computed_tokens += len(item.token_ids) - num_rejected
+            if num_rejected:  # their blocks go back: no swap or stat should count them
+                self.kv_cache_manager.free_past(request, request.num_computed_tokens)
             prompt_len = request.num_prompt_tokens
             self.num_prompt_tokens_computed += min(request.num_computed_tokens, prompt_len) - min(
                 start, prompt_len
@@ -268,8 +272,9 @@ class Scheduler:
             limit = request.num_prompt_tokens - 1  # stop at the fork point
         return min(limit - num_computed, budget)
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a request about to decode its last token; [] if none fit."""
+    def _propose(self, request: Request, budget: int, spare_blocks: int) -> list[int]:
+        """Draft tokens for a request about to decode its last token, in its own blocks
+        and at most `spare_blocks` more; [] if none fit."""
         spec = self.config.speculative
         if (
             request.num_computed_tokens != request.num_tokens - 1
@@ -281,7 +286,9 @@ class Scheduler:
         room = self.config.max_model_len - request.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        k = min(spec.num_speculative_tokens, budget - 1, room)
+        kv = self.kv_cache_manager
+        slots = (kv.num_blocks_of(request.request_id) + max(spare_blocks, 0)) * kv.block_size
+        k = min(spec.num_speculative_tokens, budget - 1, room, slots - request.num_tokens)
         if k < 1:
             return []
         return propose_ngram(

@@ -3,10 +3,12 @@
 // so each row's result is bitwise what eager mode gives; what goes away is the Python
 // between them (about 40 module calls, views and dispatches per layer).
 //
-// Built once per engine (pagoda/model_executor/decode_loop.py) from the loaded weights
+// Built once per engine (LlamaModel.build_decode_loop) from the loaded weights
 // and the KV cache tensors, for steps where every row is a decode row (one query token
 // at its own position, drafts included) and at most 8 rows run: the kernels' small-batch
-// paths. Everything else takes the Python path.
+// paths. Everything else takes the Python path. Linear::operator() repeats the small-row
+// dispatch of pagoda.ops.cpu (`linear`, `quant_linear`), whose `decode_loop_linear`
+// admits a linear only where the two agree; tests/test_decode_loop.py holds them equal.
 #include <ATen/ATen.h>
 
 #include <vector>

@@ -121,6 +121,7 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
     if module is None or dtype not in (torch.float32, torch.bfloat16):
         return None
     linear = torch_ops.linear
+    small_gemm = None
     if dtype == torch.bfloat16:
         small_gemm = module.small_gemm if module.small_gemm_available() else None
 

@@ -44,11 +44,11 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache(
             cache_config.kv_cache_memory_bytes, cache_config.kv_cache_dtype
         )
-        self.decode_loop = not model_config.enforce_eager and self.model.build_decode_loop()
+        self.uses_decode_loop = not model_config.enforce_eager and self.model.build_decode_loop()
         logger.info(
             "decode steps of up to %d rows: %s",
             self.ops.decode_loop_max_rows,
-            "one C++ call (csrc/decode_loop.cpp)" if self.decode_loop else "the Python model",
+            "one C++ call (csrc/decode_loop.cpp)" if self.uses_decode_loop else "the Python model",
         )
         # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
         self.num_host_blocks = cache_config.swap_space_bytes // self.bytes_per_block
