@@ -72,6 +72,10 @@ class FakeRunner:
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
+    def target(self, item, j: int) -> int:
+        """The token the fake model samples at row j of `item` (j > 0: after drafts)."""
+        return FIRST_TOKEN + item.num_output_tokens + j
+
     def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
         requests = self.scheduler.requests
         ids = [item.request_id for item in out.scheduled]
@@ -89,32 +93,42 @@ class FakeRunner:
         for src, dst in out.blocks_to_copy:
             for offset in range(bs):
                 self.kv[dst * bs + offset] = self.kv.get(src * bs + offset)
-        # Every layer writes the step's new K/V before any attention reads.
+        # Every layer writes the step's new K/V before any attention reads. Drafts are
+        # written like known tokens: the context of a draft includes the drafts before it.
+        contexts = {}
         for item in out.scheduled:
             request = requests[item.request_id]
             start, n = item.num_computed_tokens, len(item.token_ids)
-            assert n > 0
+            known = n - item.num_draft_tokens
+            assert known > 0 and (item.num_draft_tokens == 0 or known == 1)
             assert start == request.num_computed_tokens
-            assert item.token_ids == request.all_token_ids[start : start + n]
+            assert item.token_ids[:known] == request.all_token_ids[start : start + known]
             assert item.block_ids == self.scheduler.kv_cache_manager.get_block_ids(item.request_id)
             assert len(item.block_ids) >= cdiv(start + n, self.block_size)
             assert item.num_output_tokens == request.num_output_tokens
-            samples = start + n == request.num_tokens
+            samples = start + known == request.num_tokens
             assert item.sampling_params is (request.sampling_params if samples else None)
+            context = contexts[item.request_id] = request.all_token_ids[:start] + item.token_ids
             for position in range(start, start + n):
                 slot = self._slot(item.block_ids, position)
-                self.kv[slot] = tuple(request.all_token_ids[: position + 1])
+                self.kv[slot] = tuple(context[: position + 1])
         for item in out.scheduled:
-            request = requests[item.request_id]
+            context = contexts[item.request_id]
             for position in range(item.num_computed_tokens + len(item.token_ids)):
                 slot = self._slot(item.block_ids, position)
-                assert self.kv.get(slot) == tuple(request.all_token_ids[: position + 1]), (
+                assert self.kv.get(slot) == tuple(context[: position + 1]), (
                     f"{item.request_id}: wrong K/V at position {position} (slot {slot})"
                 )
         sampling = [item for item in out.scheduled if item.sampling_params is not None]
+        sampled = []
+        for item in sampling:  # drafts kept while they are what the model samples
+            drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens :]
+            tokens = [self.target(item, 0)]
+            while len(tokens) <= len(drafts) and drafts[len(tokens) - 1] == tokens[-1]:
+                tokens.append(self.target(item, len(tokens)))
+            sampled.append(tokens)
         return ModelRunnerOutput(
-            request_ids=[item.request_id for item in sampling],
-            sampled_token_ids=[[FIRST_TOKEN + item.num_output_tokens] for item in sampling],
+            request_ids=[item.request_id for item in sampling], sampled_token_ids=sampled
         )
 
 

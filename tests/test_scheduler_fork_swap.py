@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from unittest import mock
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from pagoda.config import SchedulerConfig
+from pagoda.config import SchedulerConfig, SpeculativeConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.request import Request
@@ -27,13 +28,8 @@ BS = 4
 class DistinctRunner(FakeRunner):
     """Like FakeRunner, but completion i of a request samples 1000 * (i + 1) + k."""
 
-    def __call__(self, out):
-        result = super().__call__(out)
-        result.sampled_token_ids = [
-            [1000 * (completion_index(rid) + 1) + t - 1000]
-            for rid, (t,) in zip(result.request_ids, result.sampled_token_ids, strict=True)
-        ]
-        return result
+    def target(self, item, j: int) -> int:
+        return 1000 * (completion_index(item.request_id) + 1) + item.num_output_tokens + j
 
 
 def completion_index(request_id: str) -> int:
@@ -42,6 +38,19 @@ def completion_index(request_id: str) -> int:
 
 def expected_tokens(request_id: str, max_tokens: int) -> list[int]:
     return [1000 * (completion_index(request_id) + 1) + k for k in range(max_tokens)]
+
+
+def oracle_drafts(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """What DistinctRunner will sample next (each completion counts up by one), with the
+    token at a place that varies with the length spoiled (or none)."""
+    last = token_ids[-1]
+    if last < 1000:
+        return []
+    drafts = [last + 1 + j for j in range(k)]
+    spoil = len(token_ids) * 7 % 6
+    if spoil < k:
+        drafts[spoil] = 7
+    return drafts
 
 
 def check(sched: Scheduler) -> None:
@@ -71,14 +80,22 @@ def check(sched: Scheduler) -> None:
     budget=st.integers(4, 40),
     mode=st.sampled_from(["recompute", "swap"]),
     caching=st.booleans(),
+    num_drafts=st.integers(0, 5),
 )
-def test_random_fork_and_swap(data, num_blocks, num_host_blocks, budget, mode, caching):
+def test_random_fork_and_swap(data, num_blocks, num_host_blocks, budget, mode, caching, num_drafts):
+    """`num_drafts` > 0: speculative decoding, drafting the true continuation with one
+    token spoiled at a varying place (so drafts are accepted whole, in part or not)."""
     max_model_len = num_blocks * BS
     config = SchedulerConfig(
         max_num_seqs=6,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         preemption_mode=mode,
+        speculative=SpeculativeConfig.from_dict(
+            {"num_speculative_tokens": num_drafts, "disable_by_batch_size": 100}
+        )
+        if num_drafts
+        else None,
     )
     kv = KVCacheManager(
         num_blocks, BS, caching, num_host_blocks=num_host_blocks if mode == "swap" else 0
@@ -99,15 +116,21 @@ def test_random_fork_and_swap(data, num_blocks, num_host_blocks, budget, mode, c
             length = min(max_tokens, max_model_len - len(prompt))
             expected[cid] = expected_tokens(cid, length)
     got = {cid: [] for cid in expected}
-    for _ in range(2000):
-        if not sched.has_unfinished_requests():
-            break
-        out = sched.schedule()
-        assert out.scheduled, "unfinished requests but nothing scheduled"
-        for o in sched.update_from_output(out, runner(out)):
-            got[o.request_id] += o.new_token_ids
-        check(sched)
+    with mock.patch("pagoda.core.scheduler.propose_ngram", oracle_drafts):
+        for _ in range(2000):
+            if not sched.has_unfinished_requests():
+                break
+            out = sched.schedule()
+            assert out.scheduled, "unfinished requests but nothing scheduled"
+            for o in sched.update_from_output(out, runner(out)):
+                got[o.request_id] += o.new_token_ids
+            check(sched)
     assert not sched.has_unfinished_requests()
+    if num_drafts:
+        spec = sched.get_stats().spec_decoding
+        event(f"drafts accepted: {spec.num_accepted_tokens > 0}, rejected: "
+              f"{spec.num_accepted_tokens < spec.num_draft_tokens}")  # fmt: skip
+        event(f"preempted while speculating: {sched.get_stats().num_preemptions > 0}")
     assert got == expected
     assert kv.block_pool.num_free_blocks == num_blocks
     if kv.host_pool is not None:
