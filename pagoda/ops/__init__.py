@@ -48,11 +48,10 @@ class Ops:
     # (q, k_cache, v_cache, tables, lens, scale, k_scales=None, v_scales=None)
     decode_attention: Callable[..., torch.Tensor]
     # The C++ decode loop (csrc/decode_loop.cpp), where the kernels are built: its class,
-    # a linear's arguments for it (None if it cannot run that linear exactly as
-    # `linear`/`quant_linear` would), and the most rows a step may have there.
+    # and for a linear (weight, qweight, bias) its arguments there and the most rows at
+    # which the loop runs it exactly as `linear`/`quant_linear` would (None: it cannot).
     decode_loop: type | None = None
-    decode_loop_linear: Callable[..., tuple | None] | None = None
-    decode_loop_max_rows: int = 0
+    decode_loop_linear: Callable[..., tuple[tuple, int] | None] | None = None
 
 
 TORCH_OPS = Ops(

@@ -108,9 +108,9 @@ QUANT_LINEAR_MAX_ROWS = 16
 # 144 vs 140 at 512, 487 vs 215 at 2,048.
 INT8_SMALL_MAX_ROWS = 8
 W8A8_INT_MAX_ROWS = 256
-# The C++ decode loop runs steps of up to this many rows, where every linear takes its
-# small-batch kernel (small_gemm, int8_linear_small, quant_linear).
-DECODE_LOOP_MAX_ROWS = min(SMALL_GEMM_MAX_ROWS, INT8_SMALL_MAX_ROWS, QUANT_LINEAR_MAX_ROWS)
+# The C++ decode loop takes steps of up to this many rows (where float32 linears, which
+# go to F.linear at any size, set no lower limit).
+DECODE_LOOP_MAX_ROWS = 16
 
 
 def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
@@ -173,17 +173,24 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
         return linear(x, dense, bias)
 
     def decode_loop_linear(weight: torch.Tensor | None, qweight, bias):
-        """The C++ decode loop's arguments for a linear that it runs exactly as
-        `linear`/`quant_linear` above do at up to DECODE_LOOP_MAX_ROWS rows, or None."""
+        """(the C++ decode loop's arguments for a linear, the most rows at which it runs
+        it exactly as `linear`/`quant_linear` above do), or None if it cannot."""
         if qweight is None:
-            if weight.dtype == torch.bfloat16 and small_gemm is None:
-                return None
-            return (0, weight, None, None, None, 0, bias)
+            if weight.dtype == torch.bfloat16:
+                return (
+                    None
+                    if small_gemm is None
+                    else ((0, weight, None, None, None, 0, bias), SMALL_GEMM_MAX_ROWS)
+                )
+            return (0, weight, None, None, None, 0, bias), DECODE_LOOP_MAX_ROWS
         if qweight.format == PER_CHANNEL:
-            return (2, qweight.qs, qweight.d, None, None, 0, bias) if int8_small else None
+            if not int8_small:
+                return None
+            return (2, qweight.qs, qweight.d, None, None, 0, bias), INT8_SMALL_MAX_ROWS
         if not on_blocks:
             return None
-        return (1, qweight.qs, qweight.d, qweight.m, qweight.qh, qweight.format_code, bias)
+        args = (1, qweight.qs, qweight.d, qweight.m, qweight.qh, qweight.format_code, bias)
+        return args, min(QUANT_LINEAR_MAX_ROWS, DECODE_LOOP_MAX_ROWS)
 
     def add_rms_norm(x, residual, weight, eps):
         module.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
@@ -204,5 +211,4 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
         decode_attention=module.paged_decode_attention,
         decode_loop=module.DecodeLoop,
         decode_loop_linear=decode_loop_linear,
-        decode_loop_max_rows=DECODE_LOOP_MAX_ROWS,
     )

@@ -44,12 +44,15 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache(
             cache_config.kv_cache_memory_bytes, cache_config.kv_cache_dtype
         )
-        self.uses_decode_loop = not model_config.enforce_eager and self.model.build_decode_loop()
-        logger.info(
-            "decode steps of up to %d rows: %s",
-            self.ops.decode_loop_max_rows,
-            "one C++ call (csrc/decode_loop.cpp)" if self.uses_decode_loop else "the Python model",
+        # Decode-only steps of up to this many rows run in one C++ call (0: none do).
+        self.decode_loop_max_rows = (
+            0 if model_config.enforce_eager else self.model.build_decode_loop()
         )
+        if self.decode_loop_max_rows:
+            logger.info(
+                "decode steps of up to %d rows: one C++ call (csrc/decode_loop.cpp)",
+                self.decode_loop_max_rows,
+            )
         # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
         self.num_host_blocks = cache_config.swap_space_bytes // self.bytes_per_block
         self.host_kv_cache = self.kv_cache.like(self.num_host_blocks)

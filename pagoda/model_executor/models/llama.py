@@ -105,19 +105,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ops)
         self.ops = ops
         self.decode_loop = None  # see build_decode_loop
+        self.decode_loop_max_rows = 0
 
-    def build_decode_loop(self) -> bool:
+    def build_decode_loop(self) -> int:
         """Hand the layers to the C++ decode loop (csrc/decode_loop.cpp), which then runs
-        decode-only steps of a few rows, with the same kernels in the same order as
+        decode-only steps of up to `decode_loop_max_rows` rows (8 or 16: while every
+        linear takes its small-batch kernel) with the same kernels in the same order as
         `forward` (bitwise the same result) and no Python between them. Call once the
-        weights are loaded and the KV cache is bound. Returns whether it could: the
-        kernels must be built, the cache unquantized, and every linear one the loop
-        runs as the kernel layer would."""
+        weights are loaded and the KV cache is bound. It is built only if the kernels
+        are, the cache is unquantized, and every linear is one the loop runs as the
+        kernel layer would. Returns the most rows it takes (0: not built)."""
         ops = self.ops
         if ops.decode_loop is None or any(
             layer.self_attn.attn.kv.quantized for layer in self.layers
         ):
-            return False
+            return 0
         attn = self.layers[0].self_attn
         loop = ops.decode_loop(
             attn.num_heads,
@@ -129,6 +131,7 @@ class LlamaModel(nn.Module):
             attn.rotary_emb.sin,
             self.norm.weight,
         )
+        max_rows = None
         for layer in self.layers:
             linears = []
             for linear in (
@@ -137,9 +140,11 @@ class LlamaModel(nn.Module):
                 layer.mlp.gate_up_proj,
                 layer.mlp.down_proj,
             ):
-                args = ops.decode_loop_linear(linear.weight, linear.qweight, linear.bias)
-                if args is None:
-                    return False
+                spec = ops.decode_loop_linear(linear.weight, linear.qweight, linear.bias)
+                if spec is None:
+                    return 0
+                args, rows = spec
+                max_rows = rows if max_rows is None else min(max_rows, rows)
                 linears.append(loop.add_linear(*args))
             kv = layer.self_attn.attn.kv
             loop.add_layer(
@@ -149,12 +154,12 @@ class LlamaModel(nn.Module):
                 kv.k,
                 kv.v,
             )
-        self.decode_loop = loop
-        return True
+        self.decode_loop, self.decode_loop_max_rows = loop, max_rows
+        return max_rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        if self.decode_loop is not None and x.shape[0] <= self.ops.decode_loop_max_rows:
+        if self.decode_loop is not None and x.shape[0] <= self.decode_loop_max_rows:
             meta = get_attention_metadata()
             if meta.num_decodes == x.shape[0]:
                 return self.decode_loop.run(
@@ -192,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def build_decode_loop(self) -> bool:
+    def build_decode_loop(self) -> int:
         return self.model.build_decode_loop()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
