@@ -45,6 +45,7 @@ class Scheduler:
             if config.speculative is not None
             else None
         )
+        self.num_drafts_next: dict[str, int] = {}  # request id -> drafts to propose next
 
     # ---- queues -------------------------------------------------------------
 
@@ -237,7 +238,12 @@ class Scheduler:
                     )
                 continue
             if item.num_draft_tokens:
-                self.spec_stats.record(item.num_draft_tokens, len(token_ids) - 1)
+                accepted = len(token_ids) - 1
+                self.spec_stats.record(item.num_draft_tokens, accepted)
+                # Each draft row costs a row of every product: after a rejection draft
+                # one more than was accepted, after a full acceptance two more.
+                grow = 2 if accepted == item.num_draft_tokens else 1
+                self.num_drafts_next[request.request_id] = accepted + grow
             status = None
             for n, token_id in enumerate(token_ids, 1):
                 request.append_output_token(token_id)
@@ -288,7 +294,13 @@ class Scheduler:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
         kv = self.kv_cache_manager
         slots = (kv.num_blocks_of(request.request_id) + max(spare_blocks, 0)) * kv.block_size
-        k = min(spec.num_speculative_tokens, budget - 1, room, slots - request.num_tokens)
+        k = min(
+            spec.num_speculative_tokens,
+            self.num_drafts_next.get(request.request_id, spec.num_speculative_tokens),
+            budget - 1,
+            room,
+            slots - request.num_tokens,
+        )
         if k < 1:
             return []
         return propose_ngram(
@@ -403,6 +415,7 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.num_drafts_next.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         # A leader that leaves before its fork point hands its siblings to the queue.
