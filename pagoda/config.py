@@ -85,8 +85,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # No drafts in a step where at least this many requests run: the extra rows cost
     # more than they save once the batch alone keeps the kernels busy. SmolLM2 Q4_1,
-    # `grounded`, 2-core Sapphire Rapids (benchmarks/speculative.py): 1.22x at one
-    # request, 1.09x at 2, 0.81x at 4, 0.76x at 8.
+    # `grounded`, 2-core Sapphire Rapids (benchmarks/speculative.py): 1.31x at one
+    # request, 1.18x at 2, 0.94x at 4, 0.89x at 8.
     disable_by_batch_size: int = 3
 
     @classmethod
