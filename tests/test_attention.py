@@ -113,7 +113,8 @@ def test_kernel_handles_long_contexts_and_head_dims(dtype, tol, block_size, kv_d
     if module is None:
         pytest.skip("no C++ toolchain")
     for D, H, KVH in ((64, 9, 3), (128, 4, 4), (24, 4, 2)):
-        seq_lens = [1, 33, 200, 47]
+        # 1100 and 1600 tokens: several chunks of about 512, combined (flash-decoding)
+        seq_lens = [1, 33, 200, 47] if D != 64 else [1, 1100, 513, 1600]
         q, seqs, tables, cache, _ = build_batch(
             seq_lens, [1] * 4, block_size=block_size, H=H, KVH=KVH, D=D, dtype=dtype, seed=D,
             kv_dtype=kv_dtype,
@@ -128,3 +129,25 @@ def test_kernel_handles_long_contexts_and_head_dims(dtype, tol, block_size, kv_d
             torch.testing.assert_close(
                 out[i : i + 1].double(), dense_reference(qi, k, v, D**-0.5), atol=tol, rtol=tol
             )
+
+
+def test_kernel_rows_are_independent_of_the_batch():
+    """A row's output is bitwise the same alone or beside others, short or long (its
+    context's split into chunks follows its own length): speculative verification
+    and the decode loop rely on it."""
+    module = cpu.load()
+    if module is None:
+        pytest.skip("no C++ toolchain")
+    seq_lens = [1300, 5, 700, 64, 1]
+    q, _, tables, cache, _ = build_batch(
+        seq_lens, [1] * 5, block_size=16, H=9, KVH=3, D=64, dtype=torch.bfloat16, seed=3
+    )
+    max_blocks = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    lens = torch.tensor(seq_lens)
+    together = module.paged_decode_attention(torch.cat(q), cache.k, cache.v, padded, lens, 0.125)
+    for i in range(len(seq_lens)):
+        alone = module.paged_decode_attention(
+            q[i], cache.k, cache.v, padded[i : i + 1], lens[i : i + 1], 0.125
+        )
+        assert torch.equal(alone, together[i : i + 1])

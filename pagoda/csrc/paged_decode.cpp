@@ -35,12 +35,17 @@ constexpr bool kHaveBf16Dot = false;
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
+// Context tokens per work item (rounded to whole blocks): long enough that a chunk's
+// setup is noise, short enough that one sequence at a few thousand tokens feeds
+// every thread.
+constexpr int64_t kChunkTokens = 512;
 
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
@@ -138,10 +143,12 @@ inline void bf16_scores(const at::BFloat16* q, const at::BFloat16* k_block, int6
 }
 #endif
 
-// s <- exp(s - max(s)); returns the sum. Vector lanes first, then a scalar tail.
-inline float softmax_numerators(float* s, int64_t len) {
+// s <- exp(s - max(s)); returns the sum (and the max in *max_out). Vector lanes first,
+// then a scalar tail.
+inline float softmax_numerators(float* s, int64_t len, float* max_out) {
   using Vec = at::vec::Vectorized<float>;
   const float m = *std::max_element(s, s + len);
+  *max_out = m;
   const Vec vm(m);
   Vec vsum(0.f);
   int64_t t = 0;
@@ -171,28 +178,49 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
   constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<T, at::BFloat16> &&
                             std::is_same_v<C, at::BFloat16> && kD > 0 && kD % 32 == 0;
   const int64_t row_stride = KVH * D;  // between consecutive tokens of a block
+  // Work items are (sequence, kv head, chunk of the context): a long context splits into
+  // chunks of whole blocks, about kChunkTokens each, so that one sequence keeps every
+  // thread busy (flash-decoding). Each chunk keeps its own max, sum and weighted V sum;
+  // a sequence of several chunks is combined afterwards in chunk order. The split
+  // depends only on the sequence's own length, never on the batch or the threads, so a
+  // row's result is the same whatever else runs (speculative verification relies on it);
+  // a one-chunk sequence is computed exactly as before the split existed.
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / block_size);
+  const int64_t chunk = chunk_blocks * block_size;
+  struct Item { int64_t b, kvh, start, end, slot; };  // slot: partials, or -1 (one chunk)
+  std::vector<Item> items;
+  int64_t num_slots = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = seq_lens[b], chunks = (len + chunk - 1) / chunk;
+    for (int64_t kvh = 0; kvh < KVH; ++kvh)
+      for (int64_t c = 0; c < chunks; ++c)
+        items.push_back({b, kvh, c * chunk, std::min(len, (c + 1) * chunk), chunks > 1 ? num_slots++ : -1});
+  }
+  // Per partial chunk and query head: max, sum, then the D weighted V sums.
+  const int64_t part = D + 2;
+  std::vector<float> partials(num_slots * G * part);
   // Torch's own thread pool (a second OpenMP runtime would spin against it). Each
   // thread takes every T-th item: contexts differ in length, and contiguous halves
   // would leave one thread idle.
-  const int64_t num_items = B * KVH;
+  const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, num_workers, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> qf(G * D), acc(G * D), inv_sum(G), scores;
+    std::vector<float> qf(G * D), acc(G * D), inv_sum(G), maxes(G), scores;
     float row[kMaxHeadDim];
     for (int64_t t = first; t < last; ++t)
-    for (int64_t item = t; item < num_items; item += num_workers) {
-      const int64_t b = item / KVH, kvh = item % KVH;
-      const int64_t len = seq_lens[b];
+    for (int64_t index = t; index < num_items; index += num_workers) {
+      const Item& item = items[index];
+      const int64_t b = item.b, kvh = item.kvh, c0 = item.start, len = item.end - item.start;
       const int64_t* table = block_tables + b * max_blocks;
       scores.resize(G * len);
       if constexpr (!kBf16Dot)
         for (int64_t g = 0; g < G; ++g) load_row(q + (b * H + kvh * G + g) * D, qf.data() + g * D, D);
-      // Walk the context block by block: no division per token.
+      // Walk the chunk block by block: no division per token.
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const int64_t block = table[start / block_size];
+        const int64_t block = table[(c0 + start) / block_size];
         const C* k_block = k_cache + block * block_size * row_stride + kvh * D;
-        if (start + block_size < len) prefetch_block(k_cache + table[start / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
+        if (start + block_size < len) prefetch_block(k_cache + table[(c0 + start) / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
 #ifdef PAGODA_BF16_DOT
         if constexpr (kBf16Dot) {
           for (int64_t g = 0; g < G; ++g)
@@ -212,13 +240,16 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) inv_sum[g] = 1.f / softmax_numerators(scores.data() + g * len, len);
+      for (int64_t g = 0; g < G; ++g) {
+        const float sum = softmax_numerators(scores.data() + g * len, len, &maxes[g]);
+        inv_sum[g] = item.slot < 0 ? 1.f / sum : sum;  // partials keep the sum itself
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const int64_t block = table[start / block_size];
+        const int64_t block = table[(c0 + start) / block_size];
         const C* v_block = v_cache + block * block_size * row_stride + kvh * D;
-        if (start + block_size < len) prefetch_block(v_cache + table[start / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
+        if (start + block_size < len) prefetch_block(v_cache + table[(c0 + start) / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
         for (int64_t j = 0; j < n; ++j) {
           read_row(v_block + j * row_stride, v_scales, (block * block_size + j) * KVH + kvh, row, D);
           for (int64_t g = 0; g < G; ++g) {
@@ -230,11 +261,40 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        T* o = out + (b * H + kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+        if (item.slot < 0) {
+          T* o = out + (b * H + kvh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+        } else {
+          float* dst = partials.data() + (item.slot * G + g) * part;
+          dst[0] = maxes[g];
+          dst[1] = inv_sum[g];
+          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, dst + 2);
+        }
       }
     }
   });
+  // Sequences of several chunks: rescale each chunk's sums to the common max, in order.
+  for (int64_t first = 0; first < num_items;) {
+    const Item& head = items[first];
+    int64_t last = first + 1;
+    while (last < num_items && items[last].b == head.b && items[last].kvh == head.kvh) ++last;
+    if (head.slot >= 0) {
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first; i < last; ++i) m = std::max(m, partials[(items[i].slot * G + g) * part]);
+        float total = 0.f, o[kMaxHeadDim] = {};
+        for (int64_t i = first; i < last; ++i) {
+          const float* src = partials.data() + (items[i].slot * G + g) * part;
+          const float w = std::exp(src[0] - m);
+          total += w * src[1];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * src[2 + d];
+        }
+        T* dst = out + (head.b * H + head.kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / total);
+      }
+    }
+    first = last;
+  }
 }
 
 }  // namespace
