@@ -122,7 +122,7 @@ class FakeRunner:
         sampling = [item for item in out.scheduled if item.sampling_params is not None]
         sampled = []
         for item in sampling:  # drafts kept while they are what the model samples
-            drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens :]
+            drafts = item.draft_token_ids
             tokens = [self.target(item, 0)]
             while len(tokens) <= len(drafts) and drafts[len(tokens) - 1] == tokens[-1]:
                 tokens.append(self.target(item, len(tokens)))

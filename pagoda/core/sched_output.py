@@ -29,6 +29,10 @@ class ScheduledRequest:
     prompt_logprobs_n: int = 0  # top-N to report per prompt position
     num_draft_tokens: int = 0
 
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
 
 @dataclass
 class SchedulerOutput:

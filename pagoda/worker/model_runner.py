@@ -222,7 +222,7 @@ def _draft_rows(r: ScheduledRequest) -> list[ScheduledRequest]:
     drafts 0..j-1, as if they had been accepted (penalties, min_tokens, bad words and a
     seed's draw all follow the output so far), so a draft is kept exactly when the
     target samples it, and what is emitted is what decoding one token a step emits."""
-    drafts = r.token_ids[len(r.token_ids) - r.num_draft_tokens :]
+    drafts = r.draft_token_ids
     return [
         replace(
             r,
@@ -240,7 +240,7 @@ def _num_accepted(r: ScheduledRequest, sampled: list[int]) -> int:
     (For a point-mass draft, as n-gram lookup is, this is rejection sampling: draft x
     survives with probability p(x), and a rejected one is replaced by a sample of p
     without x.)"""
-    drafts = r.token_ids[len(r.token_ids) - r.num_draft_tokens :]
+    drafts = r.draft_token_ids
     n = 0
     while n < len(drafts) and drafts[n] == sampled[n]:
         n += 1
