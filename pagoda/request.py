@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.core.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -62,6 +66,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None  # stamped by the scheduler
+        self.grammar: RequestGrammar | None = None  # structured outputs; set by the scheduler
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -8,6 +8,24 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names); set exactly one field.
+
+    `json`: a JSON schema (a dict, or its JSON text); `json_object`: any JSON
+    object; `regex`: a regular expression (Rust `regex` syntax); `choice`: one of
+    these strings; `grammar`: a Lark grammar (llguidance's dialect) or a GBNF one
+    (llama.cpp's). Every token sampled is one the grammar allows, and the request
+    stops when the grammar is complete.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class RequestOutputKind(enum.Enum):
     """What each `RequestOutput` of a request carries (vLLM's names)."""
 
@@ -50,9 +68,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine (generation config, tokenizer); not user-facing.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # The checked grammar (llguidance's serialized form), from structured_outputs.
+    grammar: str | None = field(default=None, repr=False)
 
     @property
     def needs_token_history(self) -> bool:

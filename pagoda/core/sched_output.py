@@ -1,8 +1,11 @@
-"""The contract between scheduler and model runner: plain dataclasses of integers."""
+"""The contract between scheduler and model runner: plain dataclasses of integers
+(and one tensor: the step's grammar bitmask)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from pagoda.sampling_params import SamplingParams
 
@@ -28,6 +31,9 @@ class ScheduledRequest:
     prompt_logprob_targets: list[int] | None = None
     prompt_logprobs_n: int = 0  # top-N to report per prompt position
     num_draft_tokens: int = 0
+    # Under a grammar: its first row in SchedulerOutput.grammar_bitmask (one row per
+    # sampled position: the last token's, then one after each draft).
+    grammar_row: int | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -43,6 +49,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    # [rows, ceil(V / 32)] int32: allowed tokens of the rows sampled under a grammar.
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def is_empty(self) -> bool:

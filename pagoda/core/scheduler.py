@@ -21,15 +21,27 @@ from pagoda.core.sched_output import (
     SchedulerOutput,
 )
 from pagoda.core.stats import SchedulerStats, SpecDecodingStats
+from pagoda.core.structured_output import GrammarCompiler
 from pagoda.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        grammar_compiler: GrammarCompiler | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.grammar_compiler = grammar_compiler
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = create_request_queue(config.scheduling_policy)
+        # Structured outputs: requests whose grammar is still compiling wait here, out
+        # of the queue's way; those whose grammar failed to compile, with why (the
+        # engine ends them).
+        self.waiting_for_grammar: list[Request] = []
+        self.grammar_failures: dict[str, str] = {}
         # The waiting queue's policy orders it; the request to preempt first is last.
         self.running: list[Request] = []
         # Parallel sampling: siblings wait here until their leader has computed
@@ -52,11 +64,14 @@ class Scheduler:
     def add_request(self, request: Request, fork_siblings: Iterable[Request] = ()) -> None:
         """Queue a request. `fork_siblings` (same prompt and params) will share its
         prompt's blocks instead of computing the prompt again."""
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
         siblings = list(fork_siblings)
-        for sibling in siblings:
-            self.requests[sibling.request_id] = sibling
+        for r in (request, *siblings):
+            self.requests[r.request_id] = r
+            if r.sampling_params.grammar is not None:
+                if self.grammar_compiler is None:
+                    raise ValueError("this scheduler has no grammar compiler")
+                r.grammar = self.grammar_compiler.request_grammar(r.sampling_params.grammar)
+        self._enqueue(request)
         if siblings:
             self.fork_waiters[request.request_id] = siblings
 
@@ -71,7 +86,9 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
-            else:  # a sibling still waiting to fork
+            elif request in self.waiting_for_grammar:
+                self.waiting_for_grammar.remove(request)
+            else:  # a sibling still waiting to fork, or a grammar that failed
                 for siblings in self.fork_waiters.values():
                     if request in siblings:
                         siblings.remove(request)
@@ -102,6 +119,34 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue, or aside until its grammar has compiled."""
+        if request.grammar is not None and not request.grammar.ready:
+            self.waiting_for_grammar.append(request)
+        else:
+            self.waiting.add(request)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue (in arrival
+        order); those whose grammar failed go to `grammar_failures`."""
+        still = []
+        for request in self.waiting_for_grammar:
+            if not request.grammar.ready:
+                still.append(request)
+            elif request.grammar.compiled.exception() is not None:
+                self.grammar_failures[request.request_id] = str(
+                    request.grammar.compiled.exception()
+                )
+            else:
+                self.waiting.add(request)
+        self.waiting_for_grammar = still
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """With nothing to run but requests waiting for their grammar: block until one
+        compiles (or `timeout`), instead of spinning."""
+        if self.waiting_for_grammar:
+            GrammarCompiler.wait_any([r.grammar for r in self.waiting_for_grammar], timeout)
+
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -109,6 +154,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         self.waiting.order_running(self.running)
         preempted += self._preempt_for_waiting(budget)
         num_preempted_for_waiting = len(preempted)
@@ -193,7 +240,20 @@ class Scheduler:
             blocks_to_copy=copies,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            grammar_bitmask=self._grammar_bitmask(scheduled),
         )
+
+    def _grammar_bitmask(self, scheduled: list[ScheduledRequest]):
+        """One bitmask for every row sampled under a grammar this step (a request's
+        last token and each of its drafts); sets each item's `grammar_row`."""
+        rows, num_rows = [], 0
+        for item in scheduled:
+            grammar = self.requests[item.request_id].grammar
+            if grammar is not None and item.sampling_params is not None:
+                item.grammar_row = num_rows
+                rows.append((grammar, num_rows, item.draft_token_ids))
+                num_rows += 1 + item.num_draft_tokens
+        return self.grammar_compiler.bitmask(rows, num_rows) if rows else None
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -247,7 +307,9 @@ class Scheduler:
             status = None
             for n, token_id in enumerate(token_ids, 1):
                 request.append_output_token(token_id)
-                status = self._check_stop(request, token_id)
+                status = self._advance_grammar(request, token_id) or self._check_stop(
+                    request, token_id
+                )
                 if status is not None:
                     token_ids = token_ids[:n]
                     break
@@ -303,9 +365,12 @@ class Scheduler:
         )
         if k < 1:
             return []
-        return propose_ngram(
+        drafts = propose_ngram(
             request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
+        if drafts and request.grammar is not None:  # only drafts the grammar allows
+            drafts = drafts[: request.grammar.num_valid(drafts)]
+        return drafts
 
     def _at_fork_point(self, request: Request) -> bool:
         return request.num_computed_tokens == request.num_prompt_tokens - 1
@@ -399,6 +464,15 @@ class Scheduler:
             prompt_logprobs_n=params.prompt_logprobs or 0,
         )
 
+    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """A grammar's request stops when the grammar is complete. (A token the grammar
+        refuses cannot be sampled under its mask; it ends the request as failed.)"""
+        if request.grammar is None:
+            return None
+        if not request.grammar.accept(token_id):
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if request.grammar.complete else None
+
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
@@ -420,7 +494,7 @@ class Scheduler:
         del self.requests[request.request_id]
         # A leader that leaves before its fork point hands its siblings to the queue.
         for sibling in self.fork_waiters.pop(request.request_id, []):
-            self.waiting.add(sibling)
+            self._enqueue(sibling)
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -11,6 +11,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.stats import IterationStats, SchedulerStats
+from pagoda.core.structured_output import GrammarCompiler
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor, PromptType
 from pagoda.errors import EngineDeadError, InvalidRequestError
@@ -62,7 +63,12 @@ class LLMEngine:
             num_host_blocks=self.model_runner.num_host_blocks,
             dtype=self.model_runner.kv_cache_dtype_name,
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, self.model_runner.vocab_size, model_config.eos_token_ids
+        )
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.kv_cache_manager, self.grammar_compiler
+        )
         self.processor = Processor(
             self.tokenizer, model_config, max_model_len, engine_args.create_request_limits()
         )
@@ -133,14 +139,16 @@ class LLMEngine:
         the failure cannot be pinned on requests (every request of the step fails).
         """
         scheduler_output = self.scheduler.schedule()
+        outputs = self._fail_grammars() if self.scheduler.grammar_failures else []
         if scheduler_output.is_empty:
-            return []
+            self.scheduler.wait_for_grammars(timeout=0.05)  # rather than spin
+            return outputs
         self.model_runner.move_blocks(scheduler_output)
         runner_output, failures = self._execute(scheduler_output)
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
         if failures:
-            scheduler_output, outputs = self._fail(scheduler_output, failures, now)
+            scheduler_output, failed_outputs = self._fail(scheduler_output, failures, now)
+            outputs += failed_outputs
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         progressed, stopped, failed, stats = self.output_processor.process_outputs(
             core_outputs, now
@@ -227,6 +235,23 @@ class LLMEngine:
         self._record(stats)
         remaining = [s for s in sched.scheduled if s.request_id not in ended | retry]
         return replace(sched, scheduled=remaining), outputs
+
+    def _fail_grammars(self) -> list[RequestOutput]:
+        """End the requests whose grammar failed to compile (all their completions)."""
+        op = self.output_processor
+        by_parent = {op.parent_id(cid): why for cid, why in self.scheduler.grammar_failures.items()}
+        self.scheduler.grammar_failures.clear()
+        children = [cid for parent in by_parent for cid in op.child_ids(parent)]
+        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+        outputs, stats = op.fail_requests(
+            {
+                parent: (f"structured_outputs: the grammar failed to compile: {why}", True)
+                for parent, why in by_parent.items()
+            },
+            time.monotonic(),
+        )
+        self._record(stats)
+        return outputs
 
     def _record(self, stats: IterationStats) -> None:
         for stat_logger in self.stat_loggers:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagoda.config import ModelConfig, RequestLimits
+from pagoda.core.structured_output import build_grammar
 from pagoda.errors import InvalidRequestError
 from pagoda.request import Request
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -427,8 +428,12 @@ class Processor:
                     "allowed_token_ids",
                     "leaves no token to sample: bad_words or min_tokens ban every one",
                 )
+        grammar = None
+        if p.structured_outputs is not None:
+            grammar = build_grammar(p.structured_outputs)
         return dataclasses.replace(
             p,
+            grammar=grammar,
             top_k=-1 if top_k == 0 else top_k,  # 0 also means off, as in vLLM
             logit_bias=logit_bias,
             max_tokens=max_tokens,

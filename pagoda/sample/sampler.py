@@ -5,7 +5,7 @@ Greedy rows take the argmax. Random rows sample with the exponential race
 with a seed draws its noise from a generator seeded by (seed, output index),
 so its tokens do not depend on what else shares the batch, nor on preemption.
 
-Before that, in vLLM's order: allowed tokens, bad words and min_tokens
+Before that, in vLLM's order: the grammar's bitmask (structured outputs), allowed tokens, bad words and min_tokens
 (masks), logit bias, then repetition/frequency/presence penalties. Each piece
 is built only when some row in the batch asks for it.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.core.sched_output import ScheduledRequest
+from pagoda.core.structured_output import apply_bitmask
 
 NEG_INF = float("-inf")
 
@@ -39,6 +40,8 @@ class SamplingTensors:
     repetition: torch.Tensor | None = None  # [B]
     output_counts: torch.Tensor | None = None  # [B, V] float32
     seen_mask: torch.Tensor | None = None  # [B, V] bool: in prompt or output
+    # Rows under a grammar, and their token bitmask [rows, ceil(V / 32)] int32.
+    grammar: tuple[list[int], torch.Tensor] | None = None
 
     @classmethod
     def from_requests(cls, reqs: list[ScheduledRequest], vocab_size: int) -> SamplingTensors:
@@ -128,6 +131,8 @@ def _draw_seed(seed: int, output_index: int) -> int:
 
 def apply_logits_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Masks, bias and penalties; returns logits (a new tensor if anything applied)."""
+    if st.grammar is not None:
+        logits = apply_bitmask(logits, *st.grammar)
     if st.allowed_mask is not None:
         logits = logits.masked_fill(~st.allowed_mask, NEG_INF)
     if st.banned is not None:
@@ -155,6 +160,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator
         and st.banned is None
         and st.bias is None
         and st.repetition is None
+        and st.grammar is None
     ):
         # Fast path, no processors. (argmax over float32 is faster here than over bf16.)
         return logits.float().argmax(dim=-1)

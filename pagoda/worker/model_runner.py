@@ -120,13 +120,18 @@ class ModelRunner:
         sampled = [r for _, r in sampling]
         # One logits row per sampled position: a request's last token, or with drafts
         # each of its positions (position j samples what follows draft j).
-        rows, row_reqs = [], []
+        rows, row_reqs, grammar_rows, bitmask_rows = [], [], [], []
         for i, r in sampling:
             end = int(cu_q[i + 1])
+            if r.grammar_row is not None:
+                grammar_rows += range(len(rows), len(rows) + r.num_draft_tokens + 1)
+                bitmask_rows += range(r.grammar_row, r.grammar_row + r.num_draft_tokens + 1)
             rows += range(end - 1 - r.num_draft_tokens, end)
             row_reqs += _draft_rows(r) if r.num_draft_tokens else [r]
         logits = self.model.compute_logits(hidden[rows])  # [rows, V], model dtype
         st = SamplingTensors.from_requests(row_reqs, self.vocab_size)
+        if grammar_rows:
+            st.grammar = (grammar_rows, sched.grammar_bitmask[bitmask_rows])
         row_tokens = sample(logits, st, self.generator).tolist()
         row_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in sampled):
