@@ -472,7 +472,15 @@ def test_prompt_longer_than_context(server, client):
         ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ({"messages": MESSAGES, "max_completion_tokens": -5}, "max_completion_tokens"),
         ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format"),
+        (
+            {"messages": MESSAGES, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "response_format",
+        ),
+        ({"messages": MESSAGES, "structured_outputs": {"regex": "a("}}, "structured_outputs"),
+        ({"messages": MESSAGES, "structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+        ({"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_chat_bad_request(server, body, param):

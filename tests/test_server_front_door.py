@@ -136,7 +136,7 @@ CASES = [
     ("/v1/completions", completion(frobnicate=1), "frobnicate"),
     ("/v1/completions", completion(use_beam_search=True), "use_beam_search"),
     ("/v1/completions", completion(best_of=3), "best_of"),
-    ("/v1/completions", completion(guided_json={"type": "object"}), "guided_json"),
+    ("/v1/completions", completion(guided_json={"type": "objec"}), "guided_json"),
     ("/v1/completions", completion(suffix="x"), "suffix"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), "tools"),
     ("/v1/chat/completions", chat(chat_template="{{ 7 * 7 }}"), "chat_template"),
@@ -362,7 +362,10 @@ CHAT = {
             "junk": st.just({"tokenize": True}),
         },
     ),
-    "response_format": (st.just({"type": "text"}), {"junk": st.just({"type": "json_object"})}),
+    "response_format": (
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        {"junk": st.just({"type": "yaml"})},
+    ),
 }
 TOKENIZE = {
     "prompt": (word, {"surrogate": surrogate, "size": st.just("")}),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -28,20 +29,22 @@ from typing import Any
 
 from pagoda.config import ModelConfig, RequestLimits
 from pagoda.core.structured_output import build_grammar
+from pagoda.engine.tools import MAX_TOOLS, check_tools, inline_tools, template_knows_tools
 from pagoda.errors import InvalidRequestError
 from pagoda.request import Request
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 # str | {"prompt": str} | {"prompt_token_ids": [int], "prompt"?: str}
-#     | {"messages": [...], "add_generation_prompt"?: bool, "chat_template_kwargs"?: dict}
+#     | {"messages": [...], "add_generation_prompt"?: bool, "chat_template_kwargs"?: dict,
+#        "tools"?: [OpenAI tool]}
 PromptType = str | dict[str, Any]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_KEYS = {"role", "content", "name"}
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 PROMPT_FORMS = (
-    ({"messages"}, {"add_generation_prompt", "chat_template_kwargs"}),
+    ({"messages"}, {"add_generation_prompt", "chat_template_kwargs", "tools"}),
     ({"prompt_token_ids"}, {"prompt"}),
     ({"prompt"}, set()),
 )
@@ -215,6 +218,7 @@ class Processor:
                     prompt["messages"],
                     prompt.get("add_generation_prompt", True),
                     prompt.get("chat_template_kwargs"),
+                    prompt.get("tools"),
                 )
             elif param == "prompt_token_ids":
                 text = prompt.get("prompt")
@@ -301,9 +305,11 @@ class Processor:
         conversation: Any,
         add_generation_prompt: Any = True,
         template_kwargs: Any = None,
+        tools: Any = None,
     ) -> tuple[str, list[int]]:
-        """A conversation -> (prompt text, token ids) through the model's chat template.
-        Raises InvalidRequestError naming `messages` (or the template argument at fault)."""
+        """A conversation (and the tools it may call) -> (prompt text, token ids) through
+        the model's chat template. Raises InvalidRequestError naming `messages` (or the
+        template argument at fault)."""
         check_list(conversation, "messages", 100_000)
         check_bool(add_generation_prompt, "add_generation_prompt")
         if template_kwargs is not None:
@@ -314,14 +320,21 @@ class Processor:
                 _fail("chat_template_kwargs", f"may not set {', '.join(sorted(reserved))}")
             check_all_text(template_kwargs, "chat_template_kwargs")
         messages = [self._check_message(i, m) for i, m in enumerate(conversation)]
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             _fail("messages", "cannot be used: this model has no chat template; send a prompt")
+        if tools is not None:
+            tools = check_tools(tools)
+            check_all_text(tools, "tools")
+        kwargs = dict(template_kwargs or {})
+        if template_knows_tools(template):
+            if tools:
+                kwargs["tools"] = tools
+        else:
+            messages = inline_tools(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as e:  # the template raised (e.g. roles out of order)
             _fail("messages", f"were refused by the chat template: {e}")
@@ -358,6 +371,35 @@ class Processor:
         out = {"role": role, "content": check_text(content, "messages", where=f"{where}.content")}
         if message.get("name") is not None:
             out["name"] = check_text(message["name"], "messages", 256, where=f"{where}.name")
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                _fail("messages", "only an assistant message has tool_calls", where=where)
+            out["tool_calls"] = self._check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if message.get("tool_call_id") is not None:
+            out["tool_call_id"] = check_text(
+                message["tool_call_id"], "messages", 256, where=f"{where}.tool_call_id"
+            )
+        return out
+
+    def _check_tool_calls(self, calls: Any, where: str) -> list[dict]:
+        """An assistant's earlier calls, with arguments as objects (what templates expect)."""
+        check_list(calls, "messages", MAX_TOOLS)
+        out = []
+        for i, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            ok = isinstance(fn, dict) and isinstance(fn.get("name"), str)
+            try:
+                args = json.loads(fn["arguments"]) if ok else None
+            except (TypeError, json.JSONDecodeError):
+                args = None
+            if not isinstance(args, dict):
+                why = "must be {'id', 'type': 'function', 'function': {'name', 'arguments'}} with arguments a JSON object's text"
+                _fail("messages", why, call, where=f"{where}[{i}]")
+            check_all_text(call, "messages")
+            entry = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+            if isinstance(call.get("id"), str):
+                entry["id"] = call["id"]
+            out.append(entry)
         return out
 
     # ---- sampling parameters ---------------------------------------------------------------

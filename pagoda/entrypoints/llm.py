@@ -82,12 +82,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, via the model's chat template."""
+        """Generate replies to one conversation or a list of them, via the model's chat
+        template; `tools` (OpenAI's tool definitions) go into the prompt as the template
+        renders them (`pagoda.engine.tools` parses calls out of the replies)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"messages": c, "add_generation_prompt": add_generation_prompt} for c in conversations
         ]
+        if tools is not None:
+            for prompt in prompts:
+                prompt["tools"] = tools
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

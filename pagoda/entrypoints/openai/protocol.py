@@ -8,7 +8,7 @@ each request's `SUPPORTED_ONLY`: another value is a 400 that says why.
 
 Accepted and without effect here: `user` (an end-user id for the provider's
 abuse monitoring), `metadata` (tags for stored completions, and nothing is
-stored), `service_tier` "auto"/"default", `parallel_tool_calls` (no tools).
+stored), `service_tier` "auto"/"default".
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ class UsageInfo(BaseModel):
         )
 
 
-_NO_STRUCTURED = "structured outputs (guided decoding) are not supported yet"
 _NO_BEAM = "beam search is not supported; use n and temperature"
 
 
@@ -125,12 +124,9 @@ class SamplingFields(OpenAIModel):
             True, why="fast tokenizers always decode special tokens without added spaces"
         ),
         "return_tokens_as_token_ids": only(False, why="tokens are returned as text"),
-        "guided_json": only(None, why=_NO_STRUCTURED),
-        "guided_regex": only(None, why=_NO_STRUCTURED),
-        "guided_choice": only(None, why=_NO_STRUCTURED),
-        "guided_grammar": only(None, why=_NO_STRUCTURED),
-        "guided_decoding_backend": only(None, why=_NO_STRUCTURED),
-        "structured_outputs": only(None, why=_NO_STRUCTURED),
+        "guided_decoding_backend": only(
+            None, "auto", "guidance", "llguidance", why="pagoda's grammars are llguidance's"
+        ),
     }
 
 
@@ -197,6 +193,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None  # text parts; checked by the Processor
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -230,12 +228,6 @@ class ChatCompletionRequest(SamplingFields):
 
     SUPPORTED_ONLY: ClassVar = {
         **SamplingFields.SUPPORTED_ONLY,
-        "response_format": (
-            lambda v: v is None or v.get("type", "text") == "text",
-            f"only response_format type 'text' is supported ({_NO_STRUCTURED})",
-        ),
-        "tools": only(None, [], why="tool calling is not supported yet"),
-        "tool_choice": only(None, "none", "auto", why="tool calling is not supported yet"),
         "functions": only(None, [], why="function calling is not supported"),
         "function_call": only(None, "none", "auto", why="function calling is not supported"),
         "modalities": only(None, ["text"], why="only text output is supported"),
@@ -271,9 +263,30 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    """A whole call in one streamed delta (pagoda sends a call once it has parsed)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -297,6 +310,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -6,15 +6,32 @@ The engine's front door renders the messages exactly as `LLM.chat` does
 match the offline API. Streaming: first a chunk per choice whose delta
 carries the role, then content deltas, the finish_reason on each choice's
 last chunk, a usage chunk when asked, and `[DONE]`.
+
+Tools (`pagoda.engine.tools`): with `tools` and a `tool_choice` other than "none",
+the tools go into the prompt and each choice's text is parsed for Hermes-style calls
+(`<tool_call>{...}</tool_call>`); "required" and a named function also constrain the
+output with a grammar of such calls, so their arguments always match the schema.
+A streamed call goes out in one delta once it has parsed; `finish_reason` is
+"tool_calls" when a choice called one.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagoda.engine.async_engine import RequestStream
+from pagoda.engine.tools import (
+    CLOSE,
+    OPEN,
+    ParsedCall,
+    ToolCallParser,
+    call_grammar,
+    check_tools,
+    tool_names,
+)
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -23,7 +40,10 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     ResponseMessage,
+    ToolCall,
     UsageInfo,
     now,
     random_id,
@@ -35,10 +55,11 @@ from pagoda.entrypoints.openai.serving_engine import (
     bad_request,
     choice_deltas,
     failure_to_api_error,
+    from_invalid,
     sse_error,
 )
-from pagoda.errors import EngineDeadError, RequestFailedError
-from pagoda.sampling_params import SamplingParams
+from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +73,46 @@ class ChatRun:
     model: str
     params: SamplingParams
     stream: RequestStream
+    tool_names: list[str] | None = None  # parse tool calls out of the text
+
+    def parser(self) -> ToolCallParser | None:
+        return None if self.tool_names is None else ToolCallParser(self.tool_names)
+
+
+def tool_setup(req: ChatCompletionRequest, tag_ids: dict) -> tuple[list | None, str | None]:
+    """(the checked tools to render, the grammar forcing a call or None) for the
+    body's tools and tool_choice; a 400 for a bad combination."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools.", "tool_choice")
+        return None, None
+    try:
+        tools = check_tools(req.tools)
+    except InvalidRequestError as e:
+        raise from_invalid(e) from e
+    names = tool_names(tools)
+    choice = "auto" if choice is None else choice
+    if choice == "none":
+        return None, None
+    if choice == "auto":
+        return tools, None
+    name = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or name not in names:
+            raise bad_request(
+                f"tool_choice must be 'none', 'auto', 'required' or "
+                f"{{'type': 'function', 'function': {{'name': one of {names}}}}}.",
+                "tool_choice",
+            )
+    elif choice != "required":
+        raise bad_request(
+            "tool_choice must be 'none', 'auto', 'required' or a function.", "tool_choice"
+        )
+    parallel = name is None and req.parallel_tool_calls is not False
+    return tools, call_grammar(tools, name, parallel, tag_ids)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -71,16 +132,42 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = req.max_completion_tokens
             renames["max_tokens"] = "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs)
+        constraint, source = self.structured_outputs(req, req.response_format)
+        tools, call_grammar_ = tool_setup(req, self.tag_ids)
+        if call_grammar_ is not None:
+            if constraint is not None:
+                raise bad_request(
+                    f"tool_choice {req.tool_choice!r} constrains the output already; "
+                    f"{source} cannot be set with it.",
+                    source,
+                )
+            constraint, source = StructuredOutputsParams(grammar=call_grammar_), "tool_choice"
+        if source:
+            renames["structured_outputs"] = source
+        params = self.sampling_params(req, max_tokens, logprobs, structured_outputs=constraint)
         prompt = {
             "messages": self.conversation(req),
             "add_generation_prompt": req.add_generation_prompt,
         }
+        if tools:
+            prompt["tools"] = tools
         if req.chat_template_kwargs is not None:
             prompt["chat_template_kwargs"] = req.chat_template_kwargs
         response_id = random_id("chatcmpl")
         (stream,) = await super().start(response_id, [prompt], params, req.priority, renames)
-        return ChatRun(req, response_id, model, params, stream)
+        return ChatRun(
+            req, response_id, model, params, stream, tool_names(tools) if tools else None
+        )
+
+    @functools.cached_property
+    def tag_ids(self) -> dict[str, int]:
+        """The tool-call tags that this tokenizer has as single tokens."""
+        out = {}
+        for tag in (OPEN, CLOSE):
+            ids = self.tokenizer.encode(tag, add_special_tokens=False)
+            if len(ids) == 1:
+                out[tag] = ids[0]
+        return out
 
     def _logprobs(self, token_ids, positions, params: SamplingParams) -> ChatLogprobs | None:
         if params.logprobs is None:
@@ -97,16 +184,27 @@ class OpenAIServingChat(OpenAIServing):
             raise failure_to_api_error(e) from e
         finally:
             self.abort_unfinished([run.stream])
-        result = [
-            ChatChoice(
-                index=c.index,
-                message=ResponseMessage(content=c.text),
-                logprobs=self._logprobs(c.token_ids, c.logprobs, params),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        result = []
+        for c in sorted(choices.values(), key=lambda c: c.index):
+            content, calls, finish_reason = c.text, [], c.finish_reason
+            parser = run.parser()
+            if parser is not None:
+                (content, calls), (rest, last) = parser.feed(c.text), parser.finish()
+                content, calls = (content + rest) or None, calls + last
+                finish_reason = _finish_reason(finish_reason, len(calls))
+            message = ResponseMessage(
+                content=content,
+                tool_calls=[ToolCall(id=t.id, function=_function(t)) for t in calls],
             )
-            for c in sorted(choices.values(), key=lambda c: c.index)
-        ]
+            result.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(c.token_ids, c.logprobs, params),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
         num_completion = sum(c.num_tokens for c in choices.values())
         usage = UsageInfo.of(run.stream.num_prompt_tokens, num_completion)
         return ChatCompletionResponse(
@@ -125,6 +223,8 @@ class OpenAIServingChat(OpenAIServing):
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
             return usage.event(body, last)
 
+        parsers = [run.parser() for _ in range(params.n)]
+        num_calls = [0] * params.n
         try:
             for i in range(params.n):
                 role = DeltaMessage(role="assistant", content="")
@@ -132,15 +232,33 @@ class OpenAIServingChat(OpenAIServing):
             async for choice, delta, _ in choice_deltas([run.stream], params.n, False):
                 usage.num_completion_tokens += len(delta.token_ids)
                 logprobs = self._logprobs(delta.token_ids, delta.logprobs, params)
-                if not (delta.text or delta.finish_reason or (logprobs and logprobs.content)):
+                text, calls, finish_reason = delta.text, [], delta.finish_reason
+                parser, i = parsers[choice.index], choice.index
+                if parser is not None:
+                    text, calls = parser.feed(text)
+                    if finish_reason is not None:
+                        rest, last = parser.finish()
+                        text, calls = text + rest, calls + last
+                    num_calls[i] += len(calls)
+                    finish_reason = _finish_reason(finish_reason, num_calls[i])
+                if not (text or calls or finish_reason or (logprobs and logprobs.content)):
                     continue
+                first = num_calls[i] - len(calls)
+                message = DeltaMessage(
+                    content=(text or None) if calls else text,
+                    tool_calls=[
+                        DeltaToolCall(index=first + k, id=t.id, function=_function(t))
+                        for k, t in enumerate(calls)
+                    ]
+                    or None,
+                )
                 yield chunk(
                     [
                         ChatChunkChoice(
                             index=choice.index,
-                            delta=DeltaMessage(content=delta.text),
+                            delta=message,
                             logprobs=logprobs,
-                            finish_reason=delta.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=delta.stop_reason,
                         )
                     ]
@@ -154,3 +272,12 @@ class OpenAIServingChat(OpenAIServing):
             yield SSE_DONE
         finally:
             self.abort_unfinished([run.stream])
+
+
+def _finish_reason(finish_reason: str | None, calls: list) -> str | None:
+    """ "tool_calls" for a choice that stopped having called tools (OpenAI's reason)."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def _function(call: ParsedCall) -> FunctionCall:
+    return FunctionCall(name=call.name, arguments=call.arguments)

@@ -69,10 +69,14 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = req.logprobs  # echoed prompt tokens get logprobs too
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+        constraint, source = self.structured_outputs(req)
+        params = self.sampling_params(
+            req, req.max_tokens, req.logprobs, prompt_logprobs, constraint
+        )
         response_id = random_id("cmpl")
+        renames = {**RENAMES, "structured_outputs": source} if source else RENAMES
         streams = await super().start(
-            response_id, to_prompts(req.prompt), params, req.priority, RENAMES
+            response_id, to_prompts(req.prompt), params, req.priority, renames
         )
         return CompletionRun(req, response_id, model, params, streams)
 

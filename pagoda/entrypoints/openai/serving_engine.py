@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.core.structured_output import KINDS as STRUCTURED_KINDS
 from pagoda.engine.async_engine import AsyncEngine, ProcessedRequest, RequestStream
 from pagoda.engine.processor import PromptType, check_all_text, check_text
 from pagoda.entrypoints.openai.protocol import (
@@ -32,7 +33,7 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -279,12 +280,66 @@ class OpenAIServing:
 
     # ---- requests ------------------------------------------------------------------
 
+    @staticmethod
+    def structured_outputs(
+        req: SamplingFields, response_format: dict | None = None
+    ) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The body's output constraint and the field it came from: vLLM's
+        `structured_outputs`, its older `guided_*` fields, or OpenAI's `response_format`
+        (chat). The grammar itself is checked by the front door."""
+        guided = {k: getattr(req, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        sources = [
+            name
+            for name, given in (
+                ("structured_outputs", req.structured_outputs is not None),
+                (f"guided_{next(iter(guided), '')}", bool(guided)),
+                ("response_format", response_format is not None),
+            )
+            if given
+        ]
+        if len(sources) > 1:
+            raise bad_request(f"set only one of {', '.join(sources)}.", sources[1])
+        if req.structured_outputs is not None:
+            unknown = set(req.structured_outputs) - set(STRUCTURED_KINDS)
+            if unknown:
+                raise bad_request(
+                    f"structured_outputs has fields pagoda does not know: "
+                    f"{', '.join(sorted(unknown))} (it takes {', '.join(STRUCTURED_KINDS)}).",
+                    "structured_outputs",
+                )
+            return StructuredOutputsParams(**req.structured_outputs), "structured_outputs"
+        if guided:
+            return StructuredOutputsParams(**guided), sources[0]
+        if response_format is None:
+            return None, None
+        kind = response_format.get("type")
+        if kind == "text":
+            return None, None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        spec = response_format.get("json_schema")
+        if kind != "json_schema" or not isinstance(spec, dict):
+            raise bad_request(
+                "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}.",
+                "response_format",
+            )
+        if not isinstance(spec.get("schema"), dict):
+            raise bad_request(
+                "response_format.json_schema.schema must be a JSON schema object.",
+                "response_format",
+            )
+        # strict or not, the grammar holds the output to the schema.
+        return StructuredOutputsParams(json=spec["schema"]), "response_format"
+
     def sampling_params(
         self,
         req: SamplingFields,
         max_tokens: int | None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The body's SamplingParams, as sent (the Processor checks them). Unset
         temperature/top_p/top_k/min_p/repetition_penalty fall back to the model's
@@ -319,6 +374,7 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs,
         )
 
     async def start(
