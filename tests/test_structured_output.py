@@ -227,3 +227,28 @@ def test_each_distinct_grammar_compiles_once(tiny_llama, prompts):
         texts(fresh, prompts, constrained(json=PERSON))
     texts(fresh, prompts, constrained(regex="[ab]+c"))
     assert len(fresh.llm_engine.grammar_compiler.compile_seconds) == 2
+
+
+@pytest.mark.parametrize("vocab", [400, 49150])
+def test_bitmask_kernel_matches_torch_and_the_bits(vocab, monkeypatch):
+    import torch
+
+    from pagoda.core import structured_output
+    from pagoda.ops import cpu
+
+    words = (vocab + 31) // 32
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, vocab, generator=g).to(torch.bfloat16)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
+    bitmask[1], bitmask[2] = -1, 0  # all allowed, none allowed
+    rows = [6, 0, 3, 2, 5]
+    got = structured_output.apply_bitmask(logits, rows, bitmask)
+    bits = torch.tensor(
+        [[(int(w) >> b) & 1 for w in row for b in range(32)][:vocab] for row in bitmask.tolist()]
+    ).bool()
+    want = logits.float()
+    want[rows] = torch.where(bits, want[rows], float("-inf"))
+    assert torch.equal(got, want) and got.dtype == torch.float32
+    if cpu.load() is not None:  # the C++ kernel ran above; now the torch path
+        monkeypatch.setattr(cpu, "load", lambda: None)
+        assert torch.equal(structured_output.apply_bitmask(logits, rows, bitmask), want)

@@ -128,3 +128,55 @@ def load_dataset(path: str, tokenizer, default_output_len: int = 128) -> list[Be
     if not reqs:
         raise ValueError(f"{path}: no requests.")
     return reqs
+
+
+def json_schemas(n: int = 50) -> list[dict]:
+    """n JSON schemas for structured-output runs: nested objects, arrays, enums, bounded
+    numbers, optional fields and anyOf, each bounded so that a completion ends."""
+
+    def text(n: int) -> dict:
+        return {"type": "string", "maxLength": n}
+
+    year = {"type": "integer", "minimum": 1800, "maximum": 2030}
+    parts = [
+        ("name", text(20)),
+        ("count", {"type": "integer", "minimum": 0, "maximum": 1000}),
+        ("score", {"type": "number", "minimum": 0, "maximum": 10}),
+        ("active", {"type": "boolean"}),
+        ("kind", {"enum": ["small", "medium", "large"]}),
+        ("tags", {"type": "array", "items": text(10), "minItems": 1, "maxItems": 3}),
+        (
+            "origin",
+            {
+                "type": "object",
+                "properties": {"country": text(15), "year": year},
+                "required": ["country", "year"],
+                "additionalProperties": False,
+            },
+        ),
+        ("id", {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 99999}, text(8)]}),
+        (
+            "ratings",
+            {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 1, "maximum": 5},
+                "maxItems": 4,
+            },
+        ),
+        ("note", {"anyOf": [{"type": "null"}, text(30)]}),
+    ]
+    schemas = []
+    for i in range(n):
+        # A title of its own length makes each schema (and its grammar) distinct.
+        chosen = [("title", text(8 + i))]
+        chosen += [parts[(i + 3 * k) % len(parts)] for k in range(1 + i % 4)]
+        required = [name for j, (name, _) in enumerate(chosen) if j % 3 != 2 or i % 2]
+        schemas.append(
+            {
+                "type": "object",
+                "properties": dict(chosen),
+                "required": required,
+                "additionalProperties": False,
+            }
+        )
+    return schemas

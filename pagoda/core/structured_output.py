@@ -158,6 +158,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._executor = llguidance.LLExecutor(num_threads or torch.get_num_threads())
         self.compile_seconds: list[float] = []  # per distinct grammar compiled
+        self.tokenizer_seconds = 0.0  # building llguidance's view of the tokenizer (once)
 
     def request_grammar(self, grammar: str) -> RequestGrammar:
         future = self._cache.get(grammar)
@@ -176,7 +177,8 @@ class GrammarCompiler:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
                 self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
             )
-            logger.info("grammar tokenizer built in %.2f s", time.perf_counter() - start)
+            self.tokenizer_seconds = time.perf_counter() - start
+            logger.info("grammar tokenizer built in %.2f s", self.tokenizer_seconds)
         start = time.perf_counter()
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
@@ -211,12 +213,21 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BITS = torch.arange(8, dtype=torch.uint8)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """Logits with the tokens a row's grammar forbids at -inf (one op for the batch)."""
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, : logits.shape[1]]
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
+    """float32 logits (a new tensor) with what each row's grammar forbids at -inf: the
+    C++ kernel where it is built (a pass over the forbidden tokens only), else torch."""
+    from pagoda.ops import cpu
+
+    out = logits.to(torch.float32, copy=True)
+    kernels = cpu.load() if out.is_cpu else None
+    if kernels is not None:
+        kernels.apply_token_bitmask(out, torch.tensor(rows, dtype=torch.int64), bitmask)
+        return out
+    # Little-endian int32 words: byte i holds tokens 8i .. 8i + 7.
+    bits = bitmask.view(torch.uint8).unsqueeze(-1) >> _BITS.to(out.device)
+    allowed = (bits & 1).view(len(rows), -1)[:, : out.shape[1]].bool()
+    out[rows] = torch.where(allowed, out[rows], float("-inf"))
     return out

@@ -7,6 +7,10 @@
 #include <cmath>
 #include <cstdint>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <typename T>
@@ -123,5 +127,45 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Te
     };
     if (cos.scalar_type() == at::kFloat) run(cos.data_ptr<float>(), sin.data_ptr<float>());
     else run(cos.data_ptr<S>(), sin.data_ptr<S>());
+  });
+}
+
+// Structured outputs: logits[rows[r], t] = -inf where bit t of bitmask[r] is clear, in
+// place. logits: [B, V] float32, contiguous rows; rows: [R] int64; bitmask: [R, W]
+// int32 with W * 32 >= V (llguidance's layout: token t is bit t % 32 of word t / 32).
+void apply_token_bitmask(at::Tensor logits, at::Tensor rows, at::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "apply_token_bitmask: logits must be [B, V] float32 with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && bitmask.scalar_type() == at::kInt &&
+                  bitmask.dim() == 2 && bitmask.size(0) == rows.size(0),
+              "apply_token_bitmask: rows [R] int64, bitmask [R, W] int32");
+  const int64_t V = logits.size(1), W = bitmask.size(1), R = rows.size(0);
+  TORCH_CHECK(W * 32 >= V, "apply_token_bitmask: bitmask narrower than the vocabulary");
+  rows = rows.contiguous();
+  bitmask = bitmask.contiguous();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < logits.size(0), "apply_token_bitmask: row out of range");
+  const auto* words = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  float* base = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = base + row_ids[r] * stride;
+      const uint32_t* m = words + r * W;
+      for (int64_t w = 0; w * 32 < V; ++w) {
+        uint32_t banned = ~m[w];
+        const int64_t left = V - w * 32;
+        if (left < 32) banned &= (1u << left) - 1;  // past the vocabulary
+#ifdef __AVX512F__
+        // Two masked stores of -inf per word, whatever the number of forbidden tokens.
+        const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+        _mm512_mask_storeu_ps(row + w * 32, static_cast<__mmask16>(banned), neg_inf);
+        _mm512_mask_storeu_ps(row + w * 32 + 16, static_cast<__mmask16>(banned >> 16), neg_inf);
+#else
+        for (; banned; banned &= banned - 1) row[w * 32 + __builtin_ctz(banned)] = -INFINITY;
+#endif
+      }
+    }
   });
 }

@@ -23,6 +23,7 @@ at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
 at::Tensor int8_linear_large(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
 void int8_dequantize(at::Tensor w, at::Tensor w_scale, at::Tensor out);
+void apply_token_bitmask(at::Tensor logits, at::Tensor rows, at::Tensor bitmask);
 void bind_decode_loop(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_scales") = py::none());
   m.def("small_gemm_available", &small_gemm_available, "Whether small_gemm was built (AVX512-BF16)");
   m.def("small_gemm", &small_gemm, "y = x @ w.T (+ bias) for a few bf16 rows (CPU)");
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "logits[rows[r], t] = -inf where bit t of bitmask[r] is clear, in place (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, n] rows (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding in place, rotate-half layout (CPU)");
