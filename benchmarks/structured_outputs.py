@@ -23,9 +23,10 @@ from collections import defaultdict
 from pagoda import EngineArgs, LLMEngine, SamplingParams, StructuredOutputsParams
 from pagoda.bench.report import machine_info, versions
 from pagoda.bench.workloads import json_schemas, make_workload
-from pagoda.core import structured_output
 from pagoda.model_executor.model_loader import load_tokenizer, resolve_model
 from pagoda.sample import sampler
+
+APPLY_BITMASK = sampler.apply_bitmask
 
 
 class Timer:
@@ -46,7 +47,7 @@ def run(model: str, reqs, schemas: list[dict] | None) -> dict:
     engine = LLMEngine(EngineArgs(model=model, max_num_seqs=64))
     fill = Timer(engine.grammar_compiler.bitmask)
     engine.grammar_compiler.bitmask = fill
-    apply = Timer(structured_output.apply_bitmask)
+    apply = Timer(APPLY_BITMASK)
     sampler.apply_bitmask = apply
     for i, r in enumerate(reqs):
         so = StructuredOutputsParams(json=schemas[i % len(schemas)]) if schemas else None

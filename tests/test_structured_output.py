@@ -233,8 +233,8 @@ def test_each_distinct_grammar_compiles_once(tiny_llama, prompts):
 def test_bitmask_kernel_matches_torch_and_the_bits(vocab, monkeypatch):
     import torch
 
-    from pagoda.core import structured_output
     from pagoda.ops import cpu
+    from pagoda.sample import sampler
 
     words = (vocab + 31) // 32
     g = torch.Generator().manual_seed(0)
@@ -242,7 +242,7 @@ def test_bitmask_kernel_matches_torch_and_the_bits(vocab, monkeypatch):
     bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
     bitmask[1], bitmask[2] = -1, 0  # all allowed, none allowed
     rows = [6, 0, 3, 2, 5]
-    got = structured_output.apply_bitmask(logits, rows, bitmask)
+    got = sampler.apply_bitmask(logits, rows, bitmask)
     bits = torch.tensor(
         [[(int(w) >> b) & 1 for w in row for b in range(32)][:vocab] for row in bitmask.tolist()]
     ).bool()
@@ -251,4 +251,4 @@ def test_bitmask_kernel_matches_torch_and_the_bits(vocab, monkeypatch):
     assert torch.equal(got, want) and got.dtype == torch.float32
     if cpu.load() is not None:  # the C++ kernel ran above; now the torch path
         monkeypatch.setattr(cpu, "load", lambda: None)
-        assert torch.equal(structured_output.apply_bitmask(logits, rows, bitmask), want)
+        assert torch.equal(sampler.apply_bitmask(logits, rows, bitmask), want)

@@ -1,11 +1,11 @@
 """The contract between scheduler and model runner: plain dataclasses of integers
-(and one tensor: the step's grammar bitmask)."""
+(and one array: the step's grammar bitmask)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from pagoda.sampling_params import SamplingParams
 
@@ -50,7 +50,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     # [rows, ceil(V / 32)] int32: allowed tokens of the rows sampled under a grammar.
-    grammar_bitmask: torch.Tensor | None = None
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -9,9 +9,10 @@ Three places touch a grammar:
   on its own thread, into an LRU cache; each request then takes a copy of the
   compiled matcher (its own parse state). A request waits for its grammar outside
   the waiting queue, so the step loop never blocks on a compile;
-- each step the scheduler fills one bitmask for every row that samples under a
-  grammar (drafts included) in one parallel llguidance call, the sampler applies it
-  in one op, and the scheduler advances each matcher by the tokens it keeps.
+- each step the scheduler fills one bitmask (numpy: `pagoda/core` stays free of
+  torch) for every row that samples under a grammar (drafts included) in one
+  parallel llguidance call, the sampler applies it in one op (`apply_bitmask`), and
+  the scheduler advances each matcher by the tokens it keeps.
 
 Preemption keeps a request's tokens (recompute computes them again; it does not
 sample them), so a matcher never rolls back: rejected drafts never reach it.
@@ -28,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.hf
-import torch
+import numpy as np
 
 from pagoda.errors import InvalidRequestError
 from pagoda.sampling_params import StructuredOutputsParams
@@ -145,8 +146,8 @@ class GrammarCompiler:
         tokenizer,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
+        num_threads: int,
         cache_size: int = 256,
-        num_threads: int | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
@@ -156,7 +157,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
         self._cache: OrderedDict[str, Future] = OrderedDict()  # engine thread only
         self._cache_size = cache_size
-        self._executor = llguidance.LLExecutor(num_threads or torch.get_num_threads())
+        self._executor = llguidance.LLExecutor(num_threads)
         self.compile_seconds: list[float] = []  # per distinct grammar compiled
         self.tokenizer_seconds = 0.0  # building llguidance's view of the tokenizer (once)
 
@@ -195,12 +196,12 @@ class GrammarCompiler:
 
     def bitmask(
         self, rows: list[tuple[RequestGrammar, int, list[int]]], num_rows: int
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """[num_rows, ceil(V / 32)] int32, bit t of a row set where token t is allowed.
         `rows`: (grammar, its first row, drafts); a request's row j + 1 is the mask after
         its drafts 0..j (all-allowed past a draft the grammar refuses)."""
-        bitmask = torch.full((num_rows, self.words), -1, dtype=torch.int32)
-        args = (bitmask.data_ptr(), self.words * 4, num_rows)
+        bitmask = np.full((num_rows, self.words), -1, dtype=np.int32)
+        args = (bitmask.ctypes.data, self.words * 4, num_rows)
         plain = [(g.matcher, row) for g, row, drafts in rows if not drafts]
         drafted = [(g.matcher, row, drafts) for g, row, drafts in rows if drafts]
         if plain:
@@ -211,23 +212,3 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-_BITS = torch.arange(8, dtype=torch.uint8)
-
-
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """float32 logits (a new tensor) with what each row's grammar forbids at -inf: the
-    C++ kernel where it is built (a pass over the forbidden tokens only), else torch."""
-    from pagoda.ops import cpu
-
-    out = logits.to(torch.float32, copy=True)
-    kernels = cpu.load() if out.is_cpu else None
-    if kernels is not None:
-        kernels.apply_token_bitmask(out, torch.tensor(rows, dtype=torch.int64), bitmask)
-        return out
-    # Little-endian int32 words: byte i holds tokens 8i .. 8i + 7.
-    bits = bitmask.view(torch.uint8).unsqueeze(-1) >> _BITS.to(out.device)
-    allowed = (bits & 1).view(len(rows), -1)[:, : out.shape[1]].bool()
-    out[rows] = torch.where(allowed, out[rows], float("-inf"))
-    return out

@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import replace
 
+import torch
+
 from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -31,8 +33,6 @@ _MAX_FAILED_STEPS = 3
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs) -> None:
         if engine_args.num_threads is not None:
-            import torch
-
             torch.set_num_threads(engine_args.num_threads)
         self.engine_args = engine_args
         self.model_config = model_config = engine_args.create_model_config()
@@ -64,7 +64,10 @@ class LLMEngine:
             dtype=self.model_runner.kv_cache_dtype_name,
         )
         self.grammar_compiler = GrammarCompiler(
-            self.tokenizer, self.model_runner.vocab_size, model_config.eos_token_ids
+            self.tokenizer,
+            self.model_runner.vocab_size,
+            model_config.eos_token_ids,
+            num_threads=torch.get_num_threads(),
         )
         self.scheduler = Scheduler(
             self.scheduler_config, self.kv_cache_manager, self.grammar_compiler

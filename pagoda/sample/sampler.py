@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.core.sched_output import ScheduledRequest
-from pagoda.core.structured_output import apply_bitmask
 
 NEG_INF = float("-inf")
 
@@ -127,6 +126,26 @@ def _counts(token_lists: list[list[int]], vocab_size: int) -> torch.Tensor:
 
 def _draw_seed(seed: int, output_index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + output_index) % (1 << 63)
+
+
+_BYTE_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """float32 logits (a new tensor) with what each row's grammar forbids at -inf: the
+    C++ kernel where it is built (a pass over the forbidden tokens only), else torch."""
+    from pagoda.ops import cpu
+
+    out = logits.to(torch.float32, copy=True)
+    kernels = cpu.load() if out.is_cpu else None
+    if kernels is not None:
+        kernels.apply_token_bitmask(out, torch.tensor(rows, dtype=torch.int64), bitmask)
+        return out
+    # Little-endian int32 words: byte i holds tokens 8i .. 8i + 7.
+    bits = bitmask.view(torch.uint8).unsqueeze(-1) >> _BYTE_BITS.to(out.device)
+    allowed = (bits & 1).view(len(rows), -1)[:, : out.shape[1]].bool()
+    out[rows] = torch.where(allowed, out[rows], float("-inf"))
+    return out
 
 
 def apply_logits_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -131,7 +131,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])  # [rows, V], model dtype
         st = SamplingTensors.from_requests(row_reqs, self.vocab_size)
         if grammar_rows:
-            st.grammar = (grammar_rows, sched.grammar_bitmask[bitmask_rows])
+            st.grammar = (grammar_rows, torch.from_numpy(sched.grammar_bitmask[bitmask_rows]))
         row_tokens = sample(logits, st, self.generator).tolist()
         row_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in sampled):
