@@ -252,3 +252,56 @@ def test_bitmask_kernel_matches_torch_and_the_bits(vocab, monkeypatch):
     if cpu.load() is not None:  # the C++ kernel ran above; now the torch path
         monkeypatch.setattr(cpu, "load", lambda: None)
         assert torch.equal(sampler.apply_bitmask(logits, rows, bitmask), want)
+
+
+def test_a_slow_compile_holds_up_only_its_own_request(tiny_llama, prompts, monkeypatch):
+    import threading
+
+    from pagoda import EngineArgs, LLMEngine
+
+    release = threading.Event()
+    compile_one = GrammarCompiler._compile
+
+    def slow(self, grammar):
+        release.wait(30)
+        return compile_one(self, grammar)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+    engine_ = LLMEngine(
+        EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 22)
+    )
+    engine_.add_request("json", {"prompt_token_ids": prompts[0]}, constrained(json=PERSON))
+    engine_.add_request(
+        "free", {"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    finished = set()
+    for _ in range(20):  # the free request runs to its end while the grammar compiles
+        finished |= {o.request_id for o in engine_.step() if o.finished}
+    assert finished == {"free"} and engine_.scheduler.waiting_for_grammar
+    release.set()
+    while engine_.has_unfinished_requests():
+        for out in engine_.step():
+            if out.finished:
+                jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+                finished.add(out.request_id)
+    assert finished == {"free", "json"}
+
+
+def test_with_prefix_caching_priority_and_every_sampler_setting(tiny_llama, prompts):
+    llm = LLM(
+        tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 22, scheduling_policy="priority"
+    )
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=4, max_tokens=120,
+        repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2,
+        logit_bias={5: 3.0}, logprobs=2,
+        structured_outputs=StructuredOutputsParams(json=PERSON),
+    )  # fmt: skip
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    first = llm.generate(batch, params, use_tqdm=False, priority=list(range(len(batch))))
+    again = llm.generate(batch, params, use_tqdm=False)  # served from the prefix cache
+    assert llm.llm_engine.get_stats().kv_cache.prefix_cache_hits > 0
+    for a, b in zip(first, again, strict=True):
+        assert a.outputs[0].text == b.outputs[0].text
+        jsonschema.validate(json.loads(a.outputs[0].text), PERSON)
+        assert len(a.outputs[0].logprobs) == len(a.outputs[0].token_ids)
