@@ -11,11 +11,11 @@ import re
 
 import jsonschema
 import pytest
-from conftest import tiny_prompts
-from test_spec_decode import NGRAM, completions, engine
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.core.structured_output import GrammarCompileError, GrammarCompiler, build_grammar
+from tests.conftest import tiny_prompts
+from tests.test_spec_decode import NGRAM, completions, engine
 
 PERSON = {
     "type": "object",
