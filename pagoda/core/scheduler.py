@@ -133,10 +133,8 @@ class Scheduler:
         for request in self.waiting_for_grammar:
             if not request.grammar.ready:
                 still.append(request)
-            elif request.grammar.compiled.exception() is not None:
-                self.grammar_failures[request.request_id] = str(
-                    request.grammar.compiled.exception()
-                )
+            elif (error := request.grammar.compiled.exception()) is not None:
+                self.grammar_failures[request.request_id] = str(error)
             else:
                 self.waiting.add(request)
         self.waiting_for_grammar = still

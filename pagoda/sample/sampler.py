@@ -5,8 +5,9 @@ Greedy rows take the argmax. Random rows sample with the exponential race
 with a seed draws its noise from a generator seeded by (seed, output index),
 so its tokens do not depend on what else shares the batch, nor on preemption.
 
-Before that, in vLLM's order: the grammar's bitmask (structured outputs), allowed tokens, bad words and min_tokens
-(masks), logit bias, then repetition/frequency/presence penalties. Each piece
+Before that, in vLLM's order: the grammar's bitmask (structured outputs),
+allowed tokens, bad words and min_tokens (masks), logit bias, then
+repetition/frequency/presence penalties. Each piece
 is built only when some row in the batch asks for it.
 """
 
@@ -133,7 +134,7 @@ _BYTE_BITS = torch.arange(8, dtype=torch.uint8)
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
     """float32 logits (a new tensor) with what each row's grammar forbids at -inf: the
-    C++ kernel where it is built (a pass over the forbidden tokens only), else torch."""
+    C++ kernel where it is built (masked stores, 32 tokens at a time), else torch."""
     from pagoda.ops import cpu
 
     out = logits.to(torch.float32, copy=True)
