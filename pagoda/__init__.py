@@ -3,6 +3,7 @@
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.llm import LLM
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -12,6 +13,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -65,6 +65,8 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     speculative: SpeculativeConfig | None = None
+    # With LoRA: the most adapters the running requests may use at once.
+    max_loras: int | None = None
 
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -126,6 +128,16 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names): adapters resident at once in the step's slots,
+    the largest rank a slot holds, and adapters kept in the host cache."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+@dataclass(frozen=True)
 class RequestLimits:
     """What one request may ask for, beyond the model's own limits (vocabulary,
     max_model_len). The Processor enforces them for every entry point."""
@@ -170,6 +182,11 @@ class EngineArgs:
     # Speculative decoding (see SpeculativeConfig), e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; None: off.
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters (see LoRAConfig); requests name theirs with a LoRARequest.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
     # Request limits (see RequestLimits).
     max_n: int = RequestLimits.max_n
     max_logprobs: int = RequestLimits.max_logprobs
@@ -193,6 +210,8 @@ class EngineArgs:
         for name in (
             "block_size",
             "max_num_seqs",
+            "max_loras",
+            "max_lora_rank",
             "max_num_batched_tokens",
             "max_n",
             "max_stop_string_chars",
@@ -209,9 +228,17 @@ class EngineArgs:
             "num_threads",
             "swap_space",
             "max_tokens_limit",
+            "max_cpu_loras",
         ):
             if getattr(self, name) is not None:
                 positive(name)
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})."
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -289,6 +316,15 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
         )
 
+    def create_lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras or self.max_loras,
+        )
+
     def create_request_limits(self) -> RequestLimits:
         return RequestLimits(
             max_n=self.max_n,
@@ -311,6 +347,7 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_dict(self.speculative_config)
             if self.speculative_config is not None
             else None,
+            max_loras=self.max_loras if self.enable_lora else None,
         )
 
 

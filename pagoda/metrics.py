@@ -14,13 +14,14 @@ two engines or two servers can live in one process. Two kinds of values:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.core.stats import IterationStats, SchedulerStats, SpecDecodingStats
+from pagoda.core.stats import IterationStats, LoRAStats, SchedulerStats, SpecDecodingStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -104,6 +105,8 @@ class _EngineStatsCollector(Collector):
             yield family
         if stats.spec_decoding is not None:
             yield from self._spec_decoding(stats.spec_decoding)
+        if stats.lora is not None:
+            yield from self._lora(stats.lora)
         kv = stats.kv_cache
         info = GaugeMetricFamily(
             "pagoda:cache_config_info",
@@ -141,6 +144,23 @@ class _EngineStatsCollector(Collector):
                 family.add_metric([self.model_name, str(position)], float(value))
             yield family
 
+    def _lora(self, lora: LoRAStats) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "pagoda:lora_requests_info",
+            "LoRA adapters of running and waiting requests (vLLM's; the value is the time).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        running, waiting = ",".join(lora.running_adapters), ",".join(lora.waiting_adapters)
+        info.add_metric([str(lora.max_loras), running, waiting], time.time())
+        yield info
+        resident = GaugeMetricFamily(
+            "pagoda:lora_adapters_resident",
+            "LoRA adapters held in the model's slots.",
+            labels=["model_name"],
+        )
+        resident.add_metric([self.model_name], float(lora.num_resident))
+        yield resident
+
     def describe(self) -> Iterator[Metric]:
         return iter(())  # names are fixed; nothing to check at registration
 
@@ -153,8 +173,12 @@ class EngineMetrics:
         model_name: str,
         max_model_len: int,
         stats_fn: Callable[[], SchedulerStats] | None = None,
+        lora_enabled: bool = False,
     ) -> None:
+        """With `lora_enabled`, finished requests are counted by adapter too (a
+        `lora_name` label, "" for the base model)."""
         self.model_name = model_name
+        self.lora_enabled = lora_enabled
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         kw = {"labelnames": labels, "registry": self.registry}
@@ -169,12 +193,12 @@ class EngineMetrics:
         self.generation_tokens = counter("pagoda:generation_tokens", "Generated tokens.")
         self._success = Counter(
             "pagoda:request_success",
-            "Finished requests, by finish reason.",
-            labelnames=["model_name", "finished_reason"],
+            "Finished requests, by finish reason" + (" and LoRA adapter." if lora_enabled else "."),
+            labelnames=["model_name", "finished_reason"] + (["lora_name"] if lora_enabled else []),
             registry=self.registry,
         )
-        for reason in ("stop", "length", "abort", "error"):
-            self._success.labels(model_name, reason)  # present (at 0) from the start
+        for reason in ("stop", "length", "abort", "error"):  # present (at 0) from the start
+            self._success.labels(model_name, reason, *([""] if lora_enabled else []))
         self.ttft = histogram(
             "pagoda:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         )
@@ -215,7 +239,8 @@ class EngineMetrics:
         for value in stats.queue_times:
             self.queue_time.observe(value)
         for r in stats.finished_requests:
-            self._success.labels(self.model_name, r.finish_reason).inc()
+            lora = [r.lora_name] if self.lora_enabled else []
+            self._success.labels(self.model_name, r.finish_reason, *lora).inc()
             self.request_prompt_tokens.observe(r.num_prompt_tokens)
             self.request_generation_tokens.observe(r.num_generation_tokens)
             self.e2e.observe(r.e2e_latency)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.lora.request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -67,6 +69,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     error_is_client: bool = False
+    lora_request: LoRARequest | None = None  # the adapter it ran under
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta output of the same request to this one (a stream

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Request:
         sampling_params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,6 +69,12 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None  # stamped by the scheduler
         self.grammar: RequestGrammar | None = None  # structured outputs; set by the scheduler
+        self.lora_request = lora_request  # the adapter it runs under (None: the base model)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,6 +1,7 @@
-"""One flat attention context per step, entered with `with forward_context(meta):`.
+"""One flat context per step, entered with `with forward_context(meta, lora):`.
 
-Models keep `forward(input_ids, positions)`; only the attention layer reads this.
+Models keep `forward(input_ids, positions)`; only the attention layer reads the
+attention metadata, and only linears with adapter slots read the LoRA mapping.
 """
 
 from __future__ import annotations
@@ -8,8 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagoda.lora.manager import LoRAMapping
 
 
 @dataclass
@@ -32,19 +37,26 @@ class AttentionMetadata:
 
 
 _current: AttentionMetadata | None = None
+_current_lora: LoRAMapping | None = None
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata) -> Iterator[None]:
-    global _current
-    previous, _current = _current, meta
+def forward_context(meta: AttentionMetadata, lora: LoRAMapping | None = None) -> Iterator[None]:
+    """`lora`: the step's adapter segments (None: every token runs the base model)."""
+    global _current, _current_lora
+    previous = _current, _current_lora
+    _current, _current_lora = meta, lora
     try:
         yield
     finally:
-        _current = previous
+        _current, _current_lora = previous
 
 
 def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("attention called outside forward_context()")
     return _current
+
+
+def get_lora_mapping() -> LoRAMapping | None:
+    return _current_lora

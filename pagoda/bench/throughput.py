@@ -38,7 +38,10 @@ def run_pagoda(
     batch_size: int = 64,
     max_queue_delay: float = 0.05,
     progress: bool = True,
+    lora_requests: list | None = None,
 ) -> dict[str, Any]:
+    """`lora_requests`: the LoRARequest (or None) of each request, with enable_lora set
+    in `engine_kwargs`."""
     from tqdm.auto import tqdm
 
     from pagoda import EngineArgs, LLMEngine, SamplingParams
@@ -46,7 +49,8 @@ def run_pagoda(
     if batching not in BATCHING_MODES:
         raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}.")
     engine = LLMEngine(EngineArgs(**engine_kwargs))
-    _warm_up_pagoda(engine, reqs)
+    loras = lora_requests or [None] * len(reqs)
+    _warm_up_pagoda(engine, reqs, loras)
     sched, kv = engine.scheduler, engine.kv_cache_manager
     max_model_len = engine.max_model_len
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_time)
@@ -67,7 +71,8 @@ def run_pagoda(
     def admit(i: int) -> None:
         r = reqs[i]
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-        engine.add_request(str(i), {"prompt_token_ids": r.prompt_token_ids}, params)
+        prompt = {"prompt_token_ids": r.prompt_token_ids}
+        engine.add_request(str(i), prompt, params, lora_request=loras[i])
         in_engine.add(str(i))
 
     while not_arrived or queue or in_engine:
@@ -146,15 +151,18 @@ def run_pagoda(
     return result
 
 
-def _warm_up_pagoda(engine, reqs: list[BenchRequest]) -> None:
-    """One short batch first, so one-time costs (thread pools, allocator) are not timed."""
+def _warm_up_pagoda(engine, reqs: list[BenchRequest], loras: list) -> None:
+    """One short batch first, so one-time costs (thread pools, allocator, reading LoRA
+    adapters from disk) are not timed."""
     from pagoda import SamplingParams
 
-    for i, r in enumerate(reqs[:4]):
+    first_of_each_adapter = [loras.index(lora) for lora in dict.fromkeys(loras) if lora]
+    for i in dict.fromkeys([*range(min(4, len(reqs))), *first_of_each_adapter]):
         engine.add_request(
             f"warmup-{i}",
-            {"prompt_token_ids": r.prompt_token_ids[:64]},
+            {"prompt_token_ids": reqs[i].prompt_token_ids[:64]},
             SamplingParams(max_tokens=4, ignore_eos=True),
+            lora_request=loras[i],
         )
     while engine.has_unfinished_requests():
         engine.step()

@@ -298,7 +298,11 @@ class KVCacheManager:
         hashes = record.block_hashes
         tokens = request.all_token_ids
         bs = self.block_size
+        # The same tokens under another adapter hold other K/V: the adapter keys the
+        # chain's first block, and through it every later one.
+        adapter = request.lora_int_id or None
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+            extra = adapter if parent is None else None
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], extra))
         return hashes

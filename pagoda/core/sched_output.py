@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class ScheduledRequest:
     # Under a grammar: its first row in SchedulerOutput.grammar_bitmask (one row per
     # sampled position: the last token's, then one after each draft).
     grammar_row: int | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under
 
     @property
     def draft_token_ids(self) -> list[int]:

@@ -20,7 +20,7 @@ from pagoda.core.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from pagoda.core.stats import SchedulerStats, SpecDecodingStats
+from pagoda.core.stats import LoRAStats, SchedulerStats, SpecDecodingStats
 from pagoda.core.structured_output import GrammarCompiler
 from pagoda.request import Request, RequestStatus
 
@@ -190,14 +190,15 @@ class Scheduler:
 
         # Then waiting ones, unless running requests had to be preempted to fit.
         running_short = len(preempted) > num_preempted_for_waiting
+        running_loras = self._running_loras()
         while (
             self.waiting
             and not running_short
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting.peek()
-            if request.request_id in preempted:
+            request = self._next_waiting(running_loras)
+            if request is None or request.request_id in preempted:
                 break  # never readmit in the step that preempted it
             if kv.is_swapped(request):
                 num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
@@ -214,6 +215,8 @@ class Scheduler:
                     kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
                 request.num_computed_tokens = num_hit_tokens
             self.waiting.remove(request)
+            if running_loras is not None and request.lora_int_id:
+                running_loras.add(request.lora_int_id)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -370,6 +373,32 @@ class Scheduler:
             drafts = drafts[: request.grammar.num_valid(drafts)]
         return drafts
 
+    def _running_loras(self) -> set[int] | None:
+        """The adapters of the running requests (None: LoRA is off)."""
+        if self.config.max_loras is None:
+            return None
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _next_waiting(self, running_loras: set[int] | None) -> Request | None:
+        """The next request to admit: the queue's head, or with LoRA the first one whose
+        adapter can run beside the running requests' (at most `max_loras` adapters run
+        at once, as they fit the model's slots). One that cannot is passed over and
+        keeps its place, so it does not hold up requests for resident adapters."""
+
+        def fits(request: Request) -> bool:
+            lora_id = request.lora_int_id
+            return (
+                running_loras is None
+                or not lora_id
+                or lora_id in running_loras
+                or len(running_loras) < self.config.max_loras
+            )
+
+        head = self.waiting.peek()
+        if fits(head):
+            return head
+        return next((r for r in self.waiting if fits(r)), None)
+
     def _at_fork_point(self, request: Request) -> bool:
         return request.num_computed_tokens == request.num_prompt_tokens - 1
 
@@ -391,6 +420,8 @@ class Scheduler:
         if not self.waiting or not self.running or len(self.running) > self.config.max_num_seqs:
             return []
         best = self.waiting.peek()
+        if best is not self._next_waiting(self._running_loras()):
+            return []  # its adapter cannot run yet: preempting for it would gain nothing
         kv = self.kv_cache_manager
         bs = kv.block_size
 
@@ -460,6 +491,7 @@ class Scheduler:
                 else None
             ),
             prompt_logprobs_n=params.prompt_logprobs or 0,
+            lora_request=request.lora_request,
         )
 
     def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -516,4 +548,16 @@ class Scheduler:
             else 0.0,
             kv_cache=kv_stats,
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
+            lora=self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.config.max_loras is None:
+            return None
+        running, waiting = set(), set()
+        for r in self.requests.values():
+            if r.lora_request is not None:
+                (running if r.status == RequestStatus.RUNNING else waiting).add(
+                    r.lora_request.lora_name
+                )
+        return LoRAStats(self.config.max_loras, tuple(sorted(running)), tuple(sorted(waiting)))

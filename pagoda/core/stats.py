@@ -94,6 +94,16 @@ class SpecDecodingStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """With LoRA on: which adapters the requests use (vLLM's lora_requests_info)."""
+
+    max_loras: int
+    running_adapters: tuple[str, ...]  # adapter names of running requests, sorted
+    waiting_adapters: tuple[str, ...]  # of requests waiting to run
+    num_resident: int = 0  # adapters in the model's slots (the model runner's count)
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     num_requests_running: int  # sequences in the running batch (a request with n > 1 counts n)
     num_requests_waiting: int  # sequences waiting to run, swapped ones not included
@@ -105,6 +115,7 @@ class SchedulerStats:
     kv_cache_fragmentation_perc: float
     kv_cache: KVCacheStats
     spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
+    lora: LoRAStats | None = None  # with LoRA on
 
     @property
     def num_preemptions(self) -> int:
@@ -119,6 +130,7 @@ class FinishedRequestStats:
     e2e_latency: float  # seconds from arrival to finish
     # Mean seconds per output token after the first, when there were at least two.
     time_per_output_token: float | None
+    lora_name: str = ""  # the adapter it ran under ("" for the base model)
 
 
 @dataclass

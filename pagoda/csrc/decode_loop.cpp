@@ -26,26 +26,40 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional
                         c10::optional<at::Tensor> qh);
 at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
+void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks,
+              std::vector<int64_t> slice_offsets, at::Tensor segments);
 
 namespace {
 
 enum LinearKind : int64_t { kDense = 0, kBlocks = 1, kPerChannel = 2 };
+
+// A linear's LoRA slots (pagoda/lora/manager.py's LinearLoRA), added as Linear.forward adds
+// them: lora_add on the product, with the step's segments.
+struct LoRASlots {
+  at::Tensor a, b, ranks;
+  std::vector<int64_t> offsets;
+};
 
 struct Linear {
   int64_t kind;
   at::Tensor w;  // dense [N, K], or the quants (qs)
   c10::optional<at::Tensor> d, m, qh, bias;
   int64_t format;
+  c10::optional<LoRASlots> lora;
 
   // As pagoda.ops.cpu dispatches a few rows: small_gemm (bf16) or F.linear (float32),
-  // quant_linear on the blocks, int8_linear_small per channel.
-  at::Tensor operator()(const at::Tensor& x) const {
+  // quant_linear on the blocks, int8_linear_small per channel; then the adapters' part.
+  at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& segments) const {
+    at::Tensor y;
     switch (kind) {
-      case kBlocks: return quant_linear(x.contiguous(), w, *d, m, format, bias, qh);
-      case kPerChannel: return int8_linear_small(x.contiguous(), w, *d, bias);
+      case kBlocks: y = quant_linear(x.contiguous(), w, *d, m, format, bias, qh); break;
+      case kPerChannel: y = int8_linear_small(x.contiguous(), w, *d, bias); break;
       default:
-        return x.scalar_type() == at::kBFloat16 ? small_gemm(x, w, bias) : at::linear(x, w, bias);
+        y = x.scalar_type() == at::kBFloat16 ? small_gemm(x, w, bias) : at::linear(x, w, bias);
     }
+    if (lora.has_value() && segments.has_value())
+      lora_add(y, x, lora->a, lora->b, lora->ranks, lora->offsets, *segments);
+    return y;
   }
 };
 
@@ -73,6 +87,12 @@ class DecodeLoop {
     return static_cast<int64_t>(linears_.size()) - 1;
   }
 
+  void set_lora(int64_t linear, at::Tensor a, at::Tensor b, at::Tensor ranks,
+                std::vector<int64_t> offsets) {
+    TORCH_CHECK(linear >= 0 && linear < static_cast<int64_t>(linears_.size()), "no linear ", linear);
+    linears_[linear].lora = LoRASlots{a, b, ranks, offsets};
+  }
+
   void add_layer(int64_t qkv, int64_t o, int64_t gate_up, int64_t down, at::Tensor input_norm,
                  at::Tensor post_attention_norm, at::Tensor k_cache, at::Tensor v_cache) {
     const int64_t n = static_cast<int64_t>(linears_.size());
@@ -83,8 +103,11 @@ class DecodeLoop {
   }
 
   // x: [T, hidden], the embedded tokens (written over) -> the final norm's output.
+  // lora_segments: the step's adapter segments (LoRAMapping.segment_tensor), if any.
   at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
-                 at::Tensor block_tables, at::Tensor seq_lens) {
+                 at::Tensor block_tables, at::Tensor seq_lens,
+                 c10::optional<at::Tensor> lora_segments) {
+    const c10::optional<at::Tensor>& seg = lora_segments;
     const int64_t T = x.size(0), q_size = H_ * D_, kv_size = KVH_ * D_;
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -97,7 +120,7 @@ class DecodeLoop {
         fused_add_rms_norm(x, residual, L.input_norm, eps_);
         h = x;
       }
-      const std::vector<at::Tensor> qkv = linears_[L.qkv](h).split({q_size + kv_size, kv_size}, -1);
+      const std::vector<at::Tensor> qkv = linears_[L.qkv](h, seg).split({q_size + kv_size, kv_size}, -1);
       const at::Tensor qk = qkv[0].view({T, H_ + KVH_, D_});
       rotary_embedding(qk, positions, cos_, sin_);
       const std::vector<at::Tensor> q_k = qk.split({H_, KVH_}, 1);
@@ -105,10 +128,10 @@ class DecodeLoop {
       L.v_cache.view({-1, KVH_, D_}).index_copy_(0, slot_mapping, qkv[1].view({T, KVH_, D_}));
       const at::Tensor o = paged_decode_attention(q_k[0], L.k_cache, L.v_cache, block_tables,
                                                   seq_lens, scale_, c10::nullopt, c10::nullopt);
-      h = linears_[L.o](o.reshape({T, q_size}));
+      h = linears_[L.o](o.reshape({T, q_size}), seg);
       fused_add_rms_norm(h, residual, L.post_attention_norm, eps_);
-      const std::vector<at::Tensor> gate_up = linears_[L.gate_up](h).chunk(2, -1);
-      x = linears_[L.down](at::silu(gate_up[0]) * gate_up[1]);
+      const std::vector<at::Tensor> gate_up = linears_[L.gate_up](h, seg).chunk(2, -1);
+      x = linears_[L.down](at::silu(gate_up[0]) * gate_up[1], seg);
     }
     fused_add_rms_norm(x, residual, final_norm_, eps_);
     return x;
@@ -133,7 +156,11 @@ void bind_decode_loop(py::module_& m) {
            py::arg("cos"), py::arg("sin"), py::arg("final_norm"))
       .def("add_linear", &DecodeLoop::add_linear, py::arg("kind"), py::arg("w"), py::arg("d"),
            py::arg("m"), py::arg("qh"), py::arg("format"), py::arg("bias"))
+      .def("set_lora", &DecodeLoop::set_lora, py::arg("linear"), py::arg("a"), py::arg("b"),
+           py::arg("ranks"), py::arg("offsets"))
       .def("add_layer", &DecodeLoop::add_layer)
       .def("run", &DecodeLoop::run, "The decode step's layers and final norm (x written over)",
+           py::arg("x"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::arg("seq_lens"), py::arg("lora_segments") = py::none(),
            py::call_guard<py::gil_scoped_release>());
 }

@@ -24,6 +24,9 @@ at::Tensor int8_linear_large(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
 void int8_dequantize(at::Tensor w, at::Tensor w_scale, at::Tensor out);
 void apply_token_bitmask(at::Tensor logits, at::Tensor rows, at::Tensor bitmask);
+bool lora_add_available();
+void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks,
+              std::vector<int64_t> slice_offsets, at::Tensor segments);
 void bind_decode_loop(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -52,5 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_large", &int8_linear_large,
         "W8A8 y = x @ w.T, many rows: per-row int8 activations, oneDNN integer GEMM (CPU)");
   m.def("int8_dequantize", &int8_dequantize, "out = w * w_scale[:, None], per-channel int8 (CPU)");
+  m.def("lora_add_available", &lora_add_available, "Whether lora_add was built (AVX-512)");
+  m.def("lora_add", &lora_add,
+        "y[segment rows] += x @ A[slot]^T @ B[slot]^T per slice, in place (multi-LoRA, CPU)");
   bind_decode_loop(m);
 }

@@ -40,6 +40,8 @@ from pagoda.core.stats import SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import EngineDeadError, RequestFailedError
+from pagoda.lora.adapter import LoRAAdapter
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics import EngineMetrics
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
@@ -91,7 +93,23 @@ class AbortAll:
     pass
 
 
-EngineOp = AddRequests | AbortRequests | AbortAll
+@dataclass
+class AddLoRA:
+    """Keep an adapter (read on the processor thread) in the engine's host cache."""
+
+    lora_request: LoRARequest
+    adapter: LoRAAdapter
+    done: asyncio.Future
+
+
+@dataclass
+class RemoveLoRA:
+    """Free an adapter's slot and host copy."""
+
+    lora_int_id: int
+
+
+EngineOp = AddRequests | AbortRequests | AbortAll | AddLoRA | RemoveLoRA
 
 
 class RequestStream:
@@ -270,11 +288,18 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Check and tokenize a request on the processor thread. Raises
         InvalidRequestError (a ValueError naming the field) on bad input."""
         children, text = await self.run_in_processor(
-            self.engine.processor.process, request_id, prompt, params, priority, arrival_time
+            self.engine.processor.process,
+            request_id,
+            prompt,
+            params,
+            priority,
+            arrival_time,
+            lora_request,
         )
         return ProcessedRequest(request_id, children, text)
 
@@ -318,10 +343,13 @@ class AsyncEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Check, tokenize and queue one request; returns its stream (see `add_processed`)."""
         self.check_capacity(1)
-        processed = await self.process(request_id, prompt, params, priority, time.monotonic())
+        processed = await self.process(
+            request_id, prompt, params, priority, time.monotonic(), lora_request
+        )
         (stream,) = await self.add_processed([processed])
         return stream
 
@@ -331,6 +359,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (of `params.output_kind`) until it finishes.
 
@@ -339,13 +368,26 @@ class AsyncEngine:
         """
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
-        stream = await self.add_request(request_id, prompt, params, priority)
+        stream = await self.add_request(request_id, prompt, params, priority, lora_request)
         try:
             async for output in stream:
                 yield output
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check and read an adapter on the processor thread, then hand it to the engine
+        (`LLMEngine.add_lora`). Raises InvalidRequestError naming the file and field."""
+        self.check_capacity(0)
+        adapter = await self.run_in_processor(self.engine.processor.load_lora, lora_request)
+        op = AddLoRA(lora_request, adapter, asyncio.get_running_loop().create_future())
+        self._push(op)
+        await op.done
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Free an adapter's memory in the engine (thread-safe, returns at once)."""
+        self._push(RemoveLoRA(lora_int_id))
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests (thread-safe, returns at once); unknown ids are ignored."""
@@ -394,7 +436,12 @@ class AsyncEngine:
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: threading.Event) -> None:
         try:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
-            self.metrics = EngineMetrics(self.model_name, self.engine.max_model_len, self.get_stats)
+            self.metrics = EngineMetrics(
+                self.model_name,
+                self.engine.max_model_len,
+                self.get_stats,
+                lora_enabled=self.engine.lora_config is not None,
+            )
             self.engine.stat_loggers.append(self.metrics)
             self._stats = self.engine.get_stats()
         except BaseException as e:
@@ -469,6 +516,17 @@ class AsyncEngine:
             loop = op.accepted.get_loop()
             sends.setdefault(loop, []).append((_resolve, op.accepted, error))
             return len(op.requests)
+        if isinstance(op, AddLoRA):
+            error = None
+            try:
+                self.engine.add_lora(op.lora_request, op.adapter)
+            except Exception as e:
+                error = e
+            sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, error))
+            return 0
+        if isinstance(op, RemoveLoRA):
+            self.engine.remove_lora(op.lora_int_id)
+            return 0
         ids = list(self._streams) if isinstance(op, AbortAll) else op.request_ids
         for output in self.engine.abort_request(ids):
             self._send_output(output, sends)
@@ -489,6 +547,8 @@ class AsyncEngine:
         for op in ops:
             if isinstance(op, AddRequests):
                 sends.setdefault(op.accepted.get_loop(), []).append((_resolve, op.accepted, error))
+            elif isinstance(op, AddLoRA):
+                sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, error))
         for stream in self._streams.values():
             sends.setdefault(stream.loop, []).append((RequestStream._put, stream, error))
         self._streams.clear()

@@ -17,6 +17,8 @@ from pagoda.core.structured_output import GrammarCompiler
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor, PromptType
 from pagoda.errors import EngineDeadError, InvalidRequestError
+from pagoda.lora.adapter import LoRAAdapter
+from pagoda.lora.request import LoRARequest
 from pagoda.model_executor.model_loader import load_tokenizer
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
@@ -37,8 +39,9 @@ class LLMEngine:
         self.engine_args = engine_args
         self.model_config = model_config = engine_args.create_model_config()
         self.cache_config = cache_config = engine_args.create_cache_config()
+        self.lora_config = engine_args.create_lora_config()
         self.tokenizer = load_tokenizer(model_config.path, model_config.is_gguf)
-        self.model_runner = ModelRunner(model_config, cache_config)
+        self.model_runner = ModelRunner(model_config, cache_config, self.lora_config)
         num_blocks = self.model_runner.num_blocks
         capacity = num_blocks * cache_config.block_size
         max_model_len = model_config.max_model_len
@@ -73,7 +76,11 @@ class LLMEngine:
             self.scheduler_config, self.kv_cache_manager, self.grammar_compiler
         )
         self.processor = Processor(
-            self.tokenizer, model_config, max_model_len, engine_args.create_request_limits()
+            self.tokenizer,
+            model_config,
+            max_model_len,
+            engine_args.create_request_limits(),
+            self.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Objects with record(IterationStats), called after each step and abort (metrics).
@@ -102,14 +109,18 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Check and queue a request. Raises InvalidRequestError (a ValueError naming the
         field) on bad input, and then has queued nothing.
 
         With `params.n > 1` the request runs as n children that share the
-        prompt's blocks; its RequestOutput carries n completions.
+        prompt's blocks; its RequestOutput carries n completions. With
+        `lora_request` it runs under that adapter (the engine needs enable_lora).
         """
-        children, text = self.processor.process(request_id, prompt, params, priority, arrival_time)
+        children, text = self.processor.process(
+            request_id, prompt, params, priority, arrival_time, lora_request
+        )
         self.add_processed_request(request_id, children, text)
 
     def add_processed_request(
@@ -256,6 +267,25 @@ class LLMEngine:
         self._record(stats)
         return outputs
 
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+        """Check an adapter and keep it in the host cache (vLLM's name), so that its first
+        request does not wait for the disk; `adapter`: its weights, already read by
+        `processor.load_lora`. Raises InvalidRequestError naming the file and field."""
+        if adapter is None or self.model_runner.lora_manager is None:
+            adapter = self.processor.load_lora(lora_request)
+        self.model_runner.lora_manager.add(lora_request, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Free an adapter's slot and host copy (vLLM's name). A running request that
+        still uses it reads it again from its folder. Returns whether it was held."""
+        manager = self.model_runner.lora_manager
+        return manager is not None and manager.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters resident in slots, least recently used first."""
+        manager = self.model_runner.lora_manager
+        return manager.resident_ids() if manager is not None else []
+
     def _record(self, stats: IterationStats) -> None:
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
@@ -267,8 +297,14 @@ class LLMEngine:
         return len(self.output_processor.states)
 
     def get_stats(self) -> SchedulerStats:
-        """Running/waiting counts, preemptions, token counters and the KV cache's state."""
-        return self.scheduler.get_stats()
+        """Running/waiting counts, preemptions, token counters and the KV cache's state
+        (and with LoRA, the adapters in use and resident)."""
+        stats = self.scheduler.get_stats()
+        manager = self.model_runner.lora_manager
+        if stats.lora is not None and manager is not None:
+            lora = replace(stats.lora, num_resident=len(manager.resident_ids()))
+            stats = replace(stats, lora=lora)
+        return stats
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pagoda.core.sched_output import EngineCoreOutput
 from pagoda.core.stats import FinishedRequestStats, IterationStats
 from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import (
     CompletionOutput,
     Logprob,
@@ -99,6 +100,7 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     error: str | None = None
     error_is_client: bool = False
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
@@ -138,6 +140,7 @@ class RequestState:
             metrics=dataclasses.replace(self.metrics),  # a copy: the reader may be another thread
             error=self.error,
             error_is_client=self.error_is_client,
+            lora_request=self.lora_request,
         )
 
     def finished_stats(self) -> FinishedRequestStats:
@@ -155,6 +158,7 @@ class RequestState:
             num_generation_tokens=num_gen,
             e2e_latency=m.finished_time - m.arrival_time,
             time_per_output_token=tpot,
+            lora_name=self.lora_request.lora_name if self.lora_request is not None else "",
         )
 
 
@@ -202,6 +206,7 @@ class OutputProcessor:
             completions,
             RequestMetrics(arrival_time=first.arrival_time),
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
+            lora_request=first.lora_request,
         )
 
     def process_outputs(

@@ -27,10 +27,12 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from pagoda.config import ModelConfig, RequestLimits
+from pagoda.config import LoRAConfig, ModelConfig, RequestLimits
 from pagoda.core.structured_output import build_grammar
 from pagoda.engine.tools import MAX_TOOLS, check_tools, inline_tools, template_knows_tools
 from pagoda.errors import InvalidRequestError
+from pagoda.lora.adapter import LoRAAdapter, check_adapter, load_adapter
+from pagoda.lora.request import LoRARequest
 from pagoda.request import Request
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
@@ -151,11 +153,13 @@ class Processor:
         model_config: ModelConfig,
         max_model_len: int,
         limits: RequestLimits | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)  # never shared with the engine thread
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.limits = limits or RequestLimits()
+        self.lora_config = lora_config
         self.vocab_size = int(model_config.hf_config["vocab_size"])
         # chat_template_kwargs may set template variables, never apply_chat_template's own
         # parameters (tokenize=True would hand back ids where text is expected).
@@ -172,6 +176,7 @@ class Processor:
         params: SamplingParams | None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[list[Request], str | None]:
         """Check and tokenize a request. Returns (one Request per completion, the prompt
         text if it had one). Child i of a request with n > 1 has id "<request_id>#<i>"
@@ -180,6 +185,8 @@ class Processor:
         if not request_id:
             _fail("request_id", "must not be empty")
         check_int(priority, "priority", INT64_MIN, INT64_MAX)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         if params is None:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
@@ -187,16 +194,58 @@ class Processor:
         text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.check_params(params, len(token_ids))
         if params.n == 1:
-            return [Request(request_id, token_ids, params, priority, arrival_time)], text
+            return [
+                Request(request_id, token_ids, params, priority, arrival_time, lora_request)
+            ], text
         children = []
         for i in range(params.n):
             child_params = (
                 params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             )
             children.append(
-                Request(f"{request_id}#{i}", token_ids, child_params, priority, arrival_time)
+                Request(
+                    f"{request_id}#{i}",
+                    token_ids,
+                    child_params,
+                    priority,
+                    arrival_time,
+                    lora_request,
+                )
             )
         return children, text
+
+    def check_lora(self, lora_request: Any, param: str = "lora_request") -> LoRARequest:
+        """A LoRARequest this engine can serve: LoRA on, a name, an id >= 1, and an
+        adapter folder that fits the model and max_lora_rank (read from its config and
+        its weight file's header; no tensor is read here)."""
+        if self.lora_config is None:
+            _fail(param, "needs LoRA on: start the engine with enable_lora=True (--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            _fail(param, "must be a LoRARequest", type(lora_request).__name__)
+        check_text(lora_request.lora_name, param, 256, where=f"{param}.lora_name")
+        if not lora_request.lora_name:
+            _fail(param, "must not be empty", where=f"{param}.lora_name")
+        lora_id = lora_request.lora_int_id
+        if not _is_int(lora_id) or not 1 <= lora_id <= INT64_MAX:
+            _fail(param, "must be an integer >= 1", lora_id, where=f"{param}.lora_int_id")
+        check_text(lora_request.lora_path, param, 4096, where=f"{param}.lora_path")
+        check_adapter(
+            lora_request.lora_path,
+            self.model_config.hf_config,
+            self.lora_config.max_lora_rank,
+            param,
+        )
+        return lora_request
+
+    def load_lora(self, lora_request: Any, param: str = "lora_request") -> LoRAAdapter:
+        """Check a LoRARequest (`check_lora`) and read its adapter's weights."""
+        self.check_lora(lora_request, param)
+        return load_adapter(
+            lora_request.lora_path,
+            self.model_config.hf_config,
+            self.lora_config.max_lora_rank,
+            param,
+        )
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.model_config.generation_defaults)

@@ -113,6 +113,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=8 << 20,
         help="larger request bodies get 413 (default: 8 MiB)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (with --enable-lora), each as NAME=PATH or a JSON "
+        'object {"name", "path", "base_model_name"}; a request\'s model picks one',
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
 
 

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
@@ -41,9 +42,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns one RequestOutput per prompt, in input order."""
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -57,6 +60,14 @@ class LLM:
             params_list = [sampling_params] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+        if isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
+            if len(lora_request) != len(prompts):
+                raise ValueError(
+                    f"lora_request has {len(lora_request)} entries for {len(prompts)} prompts."
+                )
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         default_params = self.llm_engine.processor.default_sampling_params()
         request_ids = []
         try:
@@ -68,7 +79,11 @@ class LLM:
                         params or default_params, output_kind=RequestOutputKind.FINAL_ONLY
                     )
                 self.llm_engine.add_request(
-                    request_id, prompt, params, priority[i] if priority else 0
+                    request_id,
+                    prompt,
+                    params,
+                    priority[i] if priority else 0,
+                    lora_request=loras[i],
                 )
                 request_ids.append(request_id)
         except Exception:
@@ -83,6 +98,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the model's chat
         template; `tools` (OpenAI's tool definitions) go into the prompt as the template
@@ -94,7 +110,7 @@ class LLM:
         if tools is not None:
             for prompt in prompts:
                 prompt["tools"] = tools
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

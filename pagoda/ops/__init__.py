@@ -11,6 +11,7 @@
     add_rms_norm      x + residual, then norm       one pass, in place
     rotary_embedding  rotate-half                   one pass, in place
     decode_attention  gather + SDPA                 reads K/V in place via the block table
+    add_lora          per segment: x @ A, @ B       one pass per segment and slice, float32
 
 `select_ops(kernel_backend, dtype)` builds the `Ops` a model is constructed
 with; layers call `self.ops.<primitive>` and never ask which CPU they run on.
@@ -47,11 +48,15 @@ class Ops:
     rotary_embedding: Callable[..., torch.Tensor]  # (qk, positions, cos, sin)
     # (q, k_cache, v_cache, tables, lens, scale, k_scales=None, v_scales=None)
     decode_attention: Callable[..., torch.Tensor]
+    # (y, x, LinearLoRA, LoRAMapping) -> y += each segment's adapter product, in place
+    add_lora: Callable[..., torch.Tensor]
     # The C++ decode loop (csrc/decode_loop.cpp), where the kernels are built: its class,
     # and for a linear (weight, qweight, bias) its arguments there and the most rows at
     # which the loop runs it exactly as `linear`/`quant_linear` would (None: it cannot).
     decode_loop: type | None = None
     decode_loop_linear: Callable[..., tuple[tuple, int] | None] | None = None
+    # Whether the decode loop adds LoRA products as `add_lora` does (its C++ kernel).
+    decode_loop_lora: bool = False
 
 
 TORCH_OPS = Ops(
@@ -63,6 +68,7 @@ TORCH_OPS = Ops(
     add_rms_norm=torch_ops.add_rms_norm,
     rotary_embedding=torch_ops.rotary_embedding,
     decode_attention=torch_ops.decode_attention,
+    add_lora=torch_ops.add_lora,
 )
 
 

@@ -29,6 +29,7 @@ _SOURCES = [
         "quant_gemm.cpp",
         "w8a8_gemm.cpp",
         "decode_loop.cpp",
+        "lora.cpp",
     )
 ]
 
@@ -192,6 +193,13 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
         args = (1, qweight.qs, qweight.d, qweight.m, qweight.qh, qweight.format_code, bias)
         return args, min(QUANT_LINEAR_MAX_ROWS, DECODE_LOOP_MAX_ROWS)
 
+    add_lora = torch_ops.add_lora
+    if module.lora_add_available():
+
+        def add_lora(y: torch.Tensor, x: torch.Tensor, lora, mapping) -> torch.Tensor:
+            module.lora_add(y, x, lora.a, lora.b, lora.ranks, lora.offsets, mapping.segment_tensor)
+            return y
+
     def add_rms_norm(x, residual, weight, eps):
         module.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
         return x, residual
@@ -209,6 +217,8 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
         add_rms_norm=add_rms_norm,
         rotary_embedding=rotary_embedding,
         decode_attention=module.paged_decode_attention,
+        add_lora=add_lora,
         decode_loop=module.DecodeLoop,
         decode_loop_linear=decode_loop_linear,
+        decode_loop_lora=module.lora_add_available(),
     )

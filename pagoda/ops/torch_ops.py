@@ -87,3 +87,18 @@ def quant_linear(
     """x @ dequantize(weight).T + bias, activations as they are (W4A16 / W8A16; the C++
     kernels quantize them)."""
     return F.linear(x, dequantize(weight, x.dtype), bias)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora, mapping) -> torch.Tensor:
+    """y [T, out] += each segment's LoRA product, in place, in float32: per segment
+    (tokens [start, end) on slot s) shrink x @ A^T -> [n, slices * R], then each slice's
+    R columns times B^T's columns of that slice. `lora`: a LinearLoRA (a [L, S, R, in],
+    b [L, R, out], zero past each slot's rank); `mapping`: a LoRAMapping."""
+    num_slices, rank, in_features = lora.a.shape[1:]
+    for start, end, slot in mapping.segments:
+        a = lora.a[slot].view(num_slices * rank, in_features)
+        shrunk = x[start:end].float() @ a.T  # [n, S * R]
+        for i, (offset, width) in enumerate(zip(lora.offsets, lora.widths, strict=True)):
+            part = shrunk[:, i * rank : (i + 1) * rank] @ lora.b[slot, :, offset : offset + width]
+            y[start:end, offset : offset + width].add_(part)
+    return y

@@ -16,8 +16,9 @@ import torch
 
 from pagoda.attention.context import AttentionMetadata, forward_context
 from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache
-from pagoda.config import CacheConfig, ModelConfig
+from pagoda.config import CacheConfig, LoRAConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagoda.lora.manager import LoRAManager
 from pagoda.model_executor import model_loader
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.models import MODEL_REGISTRY
@@ -30,7 +31,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        lora_config: LoRAConfig | None = None,
+    ) -> None:
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.dtype = _DTYPES[model_config.dtype]
@@ -41,6 +47,11 @@ class ModelRunner:
             model_config.kernel_backend, self.dtype, model_config.int8_activations
         )
         self.model = self._load_model(model_config)
+        self.lora_manager = (
+            LoRAManager(self.model, model_config.hf_config, lora_config)
+            if lora_config is not None
+            else None
+        )
         self.num_blocks = self._allocate_kv_cache(
             cache_config.kv_cache_memory_bytes, cache_config.kv_cache_dtype
         )
@@ -106,12 +117,18 @@ class ModelRunner:
         on its own inputs alone and its K/V writes are idempotent, so the engine may run
         any subset of a step again (how it isolates a request that fails)."""
         # Decodes (one query token, or one and its drafts) first: attention batches
-        # them in one call.
-        reqs = sorted(sched.scheduled, key=lambda r: not _is_decode(r))
+        # them in one call. Within each, requests of one adapter side by side: its
+        # tokens form one segment of the LoRA products.
+        reqs = sorted(sched.scheduled, key=lambda r: (not _is_decode(r), _lora_id(r)))
         if not reqs:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
-        with forward_context(meta):
+        lora = None
+        if self.lora_manager is not None:
+            lora = self.lora_manager.prepare(
+                [r.lora_request for r in reqs], [len(r.token_ids) for r in reqs]
+            )
+        with forward_context(meta, lora):
             hidden = self.model(input_ids, positions)  # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, cu_q)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sampling_params is not None]
@@ -216,6 +233,10 @@ class ModelRunner:
             ],
         )
         return input_ids, positions, meta, cu_q
+
+
+def _lora_id(r: ScheduledRequest) -> int:
+    return r.lora_request.lora_int_id if r.lora_request is not None else 0
 
 
 def _is_decode(r: ScheduledRequest) -> bool:

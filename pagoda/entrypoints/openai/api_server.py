@@ -34,7 +34,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__, envs
@@ -44,15 +44,17 @@ from pagoda.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    now,
+    UnloadLoRAAdapterRequest,
 )
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_engine import APIError, bad_request, from_invalid
+from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.metrics import CONTENT_TYPE
 
@@ -228,11 +230,15 @@ def build_app(
     api_key: str | None = None,
     owns_engine: bool = True,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    models: ServingModels | None = None,
 ) -> FastAPI:
-    """The FastAPI app for `engine`. With `owns_engine`, the app's shutdown stops it."""
-    names = list(served_model_names or [engine.model_name])
-    completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    """The FastAPI app for `engine`. With `owns_engine`, the app's shutdown stops it.
+    `models`: the served names with their LoRA adapters (default: the base model's
+    `served_model_names` alone)."""
+    if models is None:
+        models = ServingModels(engine, list(served_model_names or [engine.model_name]))
+    completion = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -263,21 +269,25 @@ def build_app(
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
-    def card(name: str) -> ModelCard:
-        return ModelCard(
-            id=name,
-            created=now(),
-            root=engine.model_config.path,
-            max_model_len=engine.max_model_len,
-        )
-
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[card(name) for name in names])
+        return ModelList(data=models.cards())
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
-        return card(completion.check_model(model))
+        return models.card(models.resolve(model)[0])
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        if engine.engine.lora_config is None:
+            raise bad_request("LoRA is off: start the server with --enable-lora.", "lora_name")
+        await models.load_lora_adapter(LoRAModulePath(req.lora_name, req.lora_path))
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        models.unload_lora_adapter(req.lora_name, req.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
@@ -382,6 +392,9 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         raise ValueError(f"max_queue_len must be >= 0, got {ns.max_queue_len}.")
     if ns.max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {ns.max_request_body_bytes}.")
+    lora_modules = [LoRAModulePath.parse(text) for text in ns.lora_modules or ()]
+    if lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora.")
     server = _Server(
         uvicorn.Config(
             None,
@@ -403,6 +416,13 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         on_dead=server.engine_died,
     )
     server.engine = engine
+    models = ServingModels(engine, names)
+    for module in lora_modules:
+        try:
+            asyncio.run(models.load_lora_adapter(module))
+        except APIError as e:
+            engine.shutdown(abort=True, timeout=10)
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e.message}") from e
     stats = engine.get_stats()
     block_size = engine_args.block_size
     logger.info(
@@ -422,6 +442,7 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         names,
         ns.api_key or envs.api_key(),
         max_request_body_bytes=ns.max_request_body_bytes,
+        models=models,
     )
     try:
         server.run()

@@ -340,12 +340,23 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagoda"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):  # vLLM's POST /v1/load_lora_adapter
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):  # vLLM's POST /v1/unload_lora_adapter
+    lora_name: str
+    lora_int_id: StrictInt | None = None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -122,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def start(self, req: ChatCompletionRequest) -> ChatRun:
         """Check and add the request; everything that fails here is the client's (4xx)."""
-        model = self.check_model(req.model)
+        model, lora_request = self.check_model(req.model)
         self.check_supported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
@@ -154,7 +154,9 @@ class OpenAIServingChat(OpenAIServing):
         if req.chat_template_kwargs is not None:
             prompt["chat_template_kwargs"] = req.chat_template_kwargs
         response_id = random_id("chatcmpl")
-        (stream,) = await super().start(response_id, [prompt], params, req.priority, renames)
+        (stream,) = await super().start(
+            response_id, [prompt], params, req.priority, renames, lora_request
+        )
         return ChatRun(
             req, response_id, model, params, stream, tool_names(tools) if tools else None
         )

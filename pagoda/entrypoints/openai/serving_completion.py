@@ -64,7 +64,7 @@ def to_prompts(prompt: str | list) -> list[PromptType]:
 class OpenAIServingCompletion(OpenAIServing):
     async def start(self, req: CompletionRequest) -> CompletionRun:
         """Check and add the request; everything that fails here is the client's (4xx)."""
-        model = self.check_model(req.model)
+        model, lora_request = self.check_model(req.model)
         self.check_supported(req)
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None and prompt_logprobs is None:
@@ -76,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id = random_id("cmpl")
         renames = {**RENAMES, "structured_outputs": source} if source else RENAMES
         streams = await super().start(
-            response_id, to_prompts(req.prompt), params, req.priority, renames
+            response_id, to_prompts(req.prompt), params, req.priority, renames, lora_request
         )
         return CompletionRun(req, response_id, model, params, streams)
 

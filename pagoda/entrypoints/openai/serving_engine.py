@@ -15,11 +15,11 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagoda.core.structured_output import KINDS as STRUCTURED_KINDS
 from pagoda.engine.async_engine import AsyncEngine, ProcessedRequest, RequestStream
-from pagoda.engine.processor import PromptType, check_all_text, check_text
+from pagoda.engine.processor import PromptType, check_all_text
 from pagoda.entrypoints.openai.protocol import (
     CompletionLogprobs,
     ErrorInfo,
@@ -32,8 +32,12 @@ from pagoda.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.openai.serving_models import ServingModels
 
 
 class APIError(Exception):
@@ -227,9 +231,9 @@ async def merge_streams(
 class OpenAIServing:
     """Shared by the completion and chat handlers; one per server."""
 
-    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: AsyncEngine, models: ServingModels) -> None:
         self.engine = engine
-        self.served_model_names = list(served_model_names)
+        self.models = models
         self.processor = engine.engine.processor
         self.tokenizer = self.processor.tokenizer  # the processor's own copy
         self.generation_defaults = dict(engine.model_config.generation_defaults)
@@ -237,23 +241,10 @@ class OpenAIServing:
 
     # ---- request checks that are the protocol's, not the engine's --------------------
 
-    def check_model(self, model: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
-        if model is not None:
-            try:
-                check_text(model, "model")
-            except InvalidRequestError as e:
-                raise from_invalid(e) from e
-        if model is None or model in self.served_model_names:
-            return self.served_model_names[0] if model is None else model
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist. This server serves: "
-            f"{', '.join(self.served_model_names)}.",
-            "NotFoundError",
-            "model",
-            "model_not_found",
-        )
+    def check_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """(the name to answer with, the LoRA adapter it names or None); 404 for a model
+        this server does not serve."""
+        return self.models.resolve(model)
 
     def check_supported(self, req: OpenAIModel) -> None:
         """A 400 for a field set to a value pagoda does not honour (see SUPPORTED_ONLY)."""
@@ -384,6 +375,7 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int,
         renames: dict[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """One engine request per prompt, all or nothing: every prompt goes through the
         front door on the processor thread (a bad one is a 400 naming its field), then
@@ -397,7 +389,7 @@ class OpenAIServing:
             out = []
             for request_id, prompt in zip(ids, prompts, strict=True):
                 children, text = self.processor.process(
-                    request_id, prompt, params, priority, arrival
+                    request_id, prompt, params, priority, arrival, lora_request
                 )
                 out.append(ProcessedRequest(request_id, children, text))
             return out

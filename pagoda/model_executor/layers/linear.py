@@ -1,18 +1,29 @@
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from pagoda.attention.context import get_lora_mapping
 from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.ops import TORCH_OPS, Ops
+
+if TYPE_CHECKING:
+    from pagoda.lora.manager import LinearLoRA
 
 
 class Linear(nn.Linear):
     """nn.Linear whose product is the kernel layer's: `linear` on a dense weight, or
-    `quant_linear` once the loader gives it a block-quantized one (`set_quantized`)."""
+    `quant_linear` once the loader gives it a block-quantized one (`set_quantized`).
+    With LoRA on, the LoRA manager gives it adapter slots (`lora`), and the step's
+    adapter segments add their products (`add_lora`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops = TORCH_OPS):
         super().__init__(in_features, out_features, bias=bias)
         self.ops = ops
         self.qweight: QuantizedWeight | None = None
+        self.lora: LinearLoRA | None = None
 
     def reset_parameters(self) -> None:
         """Nothing: the weights come from a checkpoint. (Initializing them would touch
@@ -31,8 +42,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            return self.ops.quant_linear(x, self.qweight, self.bias)
-        return self.ops.linear(x, self.weight, self.bias)
+            y = self.ops.quant_linear(x, self.qweight, self.bias)
+        else:
+            y = self.ops.linear(x, self.weight, self.bias)
+        if self.lora is not None and (mapping := get_lora_mapping()) is not None:
+            y = self.ops.add_lora(y, x, self.lora, mapping)
+        return y
 
 
 class Embedding(nn.Embedding):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.attention.context import get_attention_metadata
+from pagoda.attention.context import get_attention_metadata, get_lora_mapping
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.linear import Embedding, Linear
@@ -146,6 +146,11 @@ class LlamaModel(nn.Module):
                 args, rows = spec
                 max_rows = rows if max_rows is None else min(max_rows, rows)
                 linears.append(loop.add_linear(*args))
+                if linear.lora is not None:  # adapter slots, added as ops.add_lora adds them
+                    if not ops.decode_loop_lora:
+                        return 0
+                    lora = linear.lora
+                    loop.set_lora(linears[-1], lora.a, lora.b, lora.ranks, lora.offsets)
             kv = layer.self_attn.attn.kv
             loop.add_layer(
                 *linears,
@@ -162,8 +167,14 @@ class LlamaModel(nn.Module):
         if self.decode_loop is not None and x.shape[0] <= self.decode_loop_max_rows:
             meta = get_attention_metadata()
             if meta.num_decodes == x.shape[0]:
+                lora = get_lora_mapping()
                 return self.decode_loop.run(
-                    x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
+                    x,
+                    positions,
+                    meta.slot_mapping,
+                    meta.decode_block_tables,
+                    meta.decode_seq_lens,
+                    lora.segment_tensor if lora is not None else None,
                 )
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -199,6 +210,15 @@ class LlamaForCausalLM(nn.Module):
 
     def build_decode_loop(self) -> int:
         return self.model.build_decode_loop()
+
+    def lora_linears(self) -> Iterable[tuple[int, tuple[str, ...], Linear]]:
+        """(layer index, the Hugging Face modules it fuses, in order, linear) for every
+        linear that LoRA adapters may target."""
+        for i, layer in enumerate(self.model.layers):
+            yield i, ("q_proj", "k_proj", "v_proj"), layer.self_attn.qkv_proj
+            yield i, ("o_proj",), layer.self_attn.o_proj
+            yield i, ("gate_proj", "up_proj"), layer.mlp.gate_up_proj
+            yield i, ("down_proj",), layer.mlp.down_proj
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,541 @@
+"""Multi-LoRA: PEFT adapters built with `peft` on tiny random models, served many in one
+batch, against Hugging Face transformers with the same adapter applied by PEFT (greedy,
+float32, token for token).
+
+Adapters differ in rank (2-16, one with a rank_pattern), target sets (all linears,
+attention only, MLP only, one layer only), alpha (alpha_pattern, rsLoRA). PEFT's
+`init_lora_weights=False` makes B random too, so every adapter changes the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from pagoda import LLM, EngineArgs, LLMEngine, LoRARequest, SamplingParams
+from pagoda.errors import InvalidRequestError
+from tests.conftest import make_model, tiny_prompts
+
+MAX_TOKENS = 16
+ADAPTERS = {
+    "all8": dict(r=8, lora_alpha=16, target_modules="all-linear", rank_pattern={"k_proj": 4}),
+    "qv4rs": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
+    "mlp16": dict(
+        r=16,
+        lora_alpha=32,
+        target_modules=["gate_proj", "up_proj", "down_proj"],
+        alpha_pattern={"down_proj": 8},
+    ),
+    "ok2last": dict(
+        r=2, lora_alpha=4, target_modules=["o_proj", "k_proj"], layers_to_transform=[1]
+    ),
+}
+
+
+def make_adapter(base_folder: str, folder: str, seed: int, scale: float = 1.0, **config) -> str:
+    """Save a PEFT LoRA adapter for the model in `base_folder` (A and B random; B
+    times `scale`) into `folder`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **config))
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(scale)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_adapter(tiny_llama, str(root / name), seed, **config)
+        for seed, (name, config) in enumerate(ADAPTERS.items(), 1)
+    }
+
+
+def lora_requests(adapters: dict[str, str]) -> dict[str, LoRARequest]:
+    return {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(adapters.items(), 1)}
+
+
+class PeftReference:
+    """HF transformers greedy decoding with each adapter applied by PEFT (cached)."""
+
+    def __init__(self, base_folder: str, adapters: dict[str, str]) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+        names = list(adapters)
+        self.model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            self.model.load_adapter(adapters[name], adapter_name=name)
+        self.model.eval()
+        self.cache: dict[tuple, list[int]] = {}
+
+    def greedy(self, prompt: list[int], adapter: str | None, max_tokens: int = MAX_TOKENS):
+        key = (tuple(prompt), adapter, max_tokens)
+        if key not in self.cache:
+            ids = torch.tensor([prompt])
+            kwargs = dict(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+            )
+            with torch.inference_mode():
+                if adapter is None:
+                    with self.model.disable_adapter():
+                        out = self.model.generate(**kwargs)
+                else:
+                    self.model.set_adapter(adapter)
+                    out = self.model.generate(**kwargs)
+            self.cache[key] = out[0, len(prompt) :].tolist()
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, adapters) -> PeftReference:
+    return PeftReference(tiny_llama, adapters)
+
+
+def lora_llm(folder: str, **kwargs) -> LLM:
+    defaults = {"dtype": "float32", "kv_cache_memory_bytes": 1 << 24, "max_loras": 4}
+    return LLM(folder, enable_lora=True, max_lora_rank=16, **{**defaults, **kwargs})
+
+
+# min_tokens bans EOS as HF's min_new_tokens does.
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+
+
+def generate(llm: LLM, prompts, loras, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras
+    )
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def mixed(prompts, requests: dict[str, LoRARequest]):
+    """Prompt i under adapter i mod (adapters + 1); the last of each round, the base model."""
+    names = [*requests, None]
+    picks = [names[i % len(names)] for i in range(len(prompts))]
+    return picks, [requests[n] if n is not None else None for n in picks]
+
+
+def count_adapters_per_step(llm: LLM) -> list[int]:
+    """From now on, the number of distinct adapters in each step (appended per step)."""
+    manager = llm.llm_engine.model_runner.lora_manager
+    counts: list[int] = []
+    prepare = manager.prepare
+
+    def counting(lora_requests, num_tokens):
+        counts.append(len({r.lora_int_id for r in lora_requests if r is not None}))
+        return prepare(lora_requests, num_tokens)
+
+    manager.prepare = counting
+    return counts
+
+
+def test_mixed_batch_matches_peft(tiny_llama, adapters, reference):
+    llm = lora_llm(tiny_llama)
+    prompts = tiny_prompts(llm.get_tokenizer(), 20, seed=3)
+    picks, loras = mixed(prompts, lora_requests(adapters))
+    steps = count_adapters_per_step(llm)
+    outputs = generate(llm, prompts, loras)
+    for prompt, pick, out in zip(prompts, picks, outputs, strict=True):
+        assert out == reference.greedy(prompt, pick), pick
+    assert max(steps) == 4  # the four adapters and the base model shared steps
+    # Each adapter changes what the model says.
+    for name in adapters:
+        assert any(
+            reference.greedy(p, name) != reference.greedy(p, None)
+            for p, pick in zip(prompts, picks, strict=True)
+            if pick == name
+        ), name
+    assert llm.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_more_adapters_than_slots(tiny_llama, adapters, reference, mode):
+    """Two slots and a host cache of two for four adapters, and a KV cache that forces
+    preemption: the same outputs, never more than two adapters in a step, adapters
+    evicted from the host cache and read again."""
+    llm = lora_llm(
+        tiny_llama,
+        max_loras=2,
+        max_cpu_loras=2,
+        kv_cache_memory_bytes=40 * 8192,
+        max_model_len=160,
+        preemption_mode=mode,
+    )
+    prompts = tiny_prompts(llm.get_tokenizer(), 20, seed=4)
+    picks, loras = mixed(prompts, lora_requests(adapters))
+    steps = count_adapters_per_step(llm)
+    for _ in range(2):  # the second time, the first adapters come back from disk
+        outputs = generate(llm, prompts, loras)
+        for prompt, pick, out in zip(prompts, picks, outputs, strict=True):
+            assert out == reference.greedy(prompt, pick), pick
+    engine = llm.llm_engine
+    assert engine.get_stats().num_preemptions > 0
+    assert max(steps) == 2
+    assert engine.model_runner.lora_manager.num_loads > len(adapters)
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_evicted_and_reloaded_between_calls(tiny_llama, adapters, reference):
+    llm = lora_llm(tiny_llama, max_loras=1, max_cpu_loras=1)
+    requests = lora_requests(adapters)
+    prompts = tiny_prompts(llm.get_tokenizer(), 3, seed=5)
+    order = ["all8", "mlp16", "all8", None, "qv4rs", "all8"]
+    for name in order:
+        lora = requests[name] if name else None
+        outputs = generate(llm, prompts, lora)
+        assert outputs == [reference.greedy(p, name) for p in prompts], name
+    assert llm.llm_engine.model_runner.lora_manager.num_loads == 5  # every switch reads again
+    assert llm.llm_engine.list_loras() == [requests["all8"].lora_int_id]
+
+
+def test_prefix_cache_is_keyed_by_adapter(tiny_llama, adapters, reference):
+    llm = lora_llm(tiny_llama)
+    requests = lora_requests(adapters)
+    prompt = tiny_prompts(llm.get_tokenizer(), 1, seed=6)[0][:2] * 40  # 80 tokens, 5 blocks
+    kv = llm.llm_engine.kv_cache_manager
+
+    def run(name):
+        hits = kv.prefix_cache_hits
+        (out,) = generate(llm, [prompt], requests[name] if name else None)
+        assert out == reference.greedy(prompt, name), name
+        return kv.prefix_cache_hits - hits
+
+    assert run(None) == 0
+    assert run("all8") == 0  # the base model's blocks hold other K/V
+    assert run("all8") == 64  # its own, four full blocks
+    assert run("mlp16") == 0
+    assert run(None) == 64
+
+
+def test_qwen2_with_bias_and_adapters(tmp_path):
+    folder = make_model(str(tmp_path / "qwen2"), "qwen2")
+    adapters = {
+        "all4": make_adapter(folder, str(tmp_path / "all4"), 1, r=4, target_modules="all-linear"),
+        "kv8": make_adapter(
+            folder, str(tmp_path / "kv8"), 2, r=8, target_modules=["k_proj", "v_proj"]
+        ),
+    }
+    reference = PeftReference(folder, adapters)
+    llm = lora_llm(folder)
+    prompts = tiny_prompts(llm.get_tokenizer(), 9, seed=7)
+    picks, loras = mixed(prompts, lora_requests(adapters))
+    for prompt, pick, out in zip(prompts, picks, generate(llm, prompts, loras), strict=True):
+        assert out == reference.greedy(prompt, pick), pick
+
+
+def test_sampling_n_and_speculation_under_an_adapter(tiny_llama, adapters, reference):
+    """Seeded n = 3 under an adapter gives what the same requests give alone, and n-gram
+    speculation keeps greedy outputs exact with adapters in the step."""
+    llm = lora_llm(tiny_llama)
+    requests = lora_requests(adapters)
+    prompts = tiny_prompts(llm.get_tokenizer(), 4, seed=8)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, n=3, seed=11)
+    alone = llm.generate(
+        {"prompt_token_ids": prompts[0]}, params, use_tqdm=False, lora_request=requests["all8"]
+    )[0]
+    batch = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=[requests["all8"], requests["qv4rs"], None, requests["mlp16"]],
+    )
+    assert [c.token_ids for c in batch[0].outputs] == [c.token_ids for c in alone.outputs]
+    assert len({tuple(c.token_ids) for c in alone.outputs}) > 1
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    spec = lora_llm(tiny_llama, speculative_config=ngram)
+    repeated = [p[:10] * 4 for p in prompts]  # repeats itself: n-gram drafts
+    picks = ["all8", None, "qv4rs"]
+    outs = generate(spec, repeated[:3], [requests[n] if n else None for n in picks])
+    for prompt, pick, out in zip(repeated[:3], picks, outs, strict=True):
+        assert out == reference.greedy(prompt, pick), pick
+    assert spec.llm_engine.get_stats().spec_decoding.num_drafts > 0
+
+
+# ---- bad adapters and bad requests -------------------------------------------------------
+
+
+def edit_config(folder: str, **changes) -> None:
+    path = os.path.join(folder, "adapter_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def broken_copy(src: str, dst: str, how: str) -> str:
+    shutil.copytree(src, dst)
+    weights = os.path.join(dst, "adapter_model.safetensors")
+    if how == "no_config":
+        os.remove(os.path.join(dst, "adapter_config.json"))
+    elif how == "no_weights":
+        os.remove(weights)
+    elif how == "bad_json":
+        with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+            f.write("{not json")
+    elif how == "truncated":
+        with open(weights, "r+b") as f:
+            f.truncate(100)
+    elif how == "dora":
+        edit_config(dst, use_dora=True)
+    elif how == "bias":
+        edit_config(dst, bias="all")
+    elif how == "modules_to_save":
+        edit_config(dst, modules_to_save=["lm_head"])
+    elif how == "rank_too_big":
+        edit_config(dst, r=64)
+    elif how == "rank_mismatch":
+        edit_config(dst, r=4, rank_pattern={})  # the file holds rank 8
+    elif how == "not_lora":
+        edit_config(dst, peft_type="PREFIX_TUNING")
+    elif how in ("extra_weight", "missing_b"):
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(weights)
+        if how == "extra_weight":
+            state["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+        else:
+            del state["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+        save_file(state, weights)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("no_config", "adapter_config.json is missing"),
+        ("no_weights", "no weight file"),
+        ("bad_json", "adapter_config.json is not readable JSON"),
+        ("truncated", "adapter_model.safetensors cannot be read"),
+        ("dora", "use_dora is set: DoRA is not supported"),
+        ("bias", "bias is 'all'"),
+        ("modules_to_save", "modules_to_save is set"),
+        ("rank_too_big", "r is 64, above this engine's max_lora_rank (16)"),
+        ("rank_mismatch", "has shape [8, 128], expected [4, 128] (rank 4 from adapter_config.json"),
+        ("not_lora", "peft_type is 'PREFIX_TUNING'"),
+        ("extra_weight", "weight 'base_model.model.lm_head.lora_A.weight' is not a LoRA weight"),
+        ("missing_b", "layer 0 q_proj has no lora_B weight"),
+    ],
+)
+def test_bad_adapters_are_refused_and_the_engine_serves_on(
+    tiny_llama, adapters, reference, tmp_path, how, message
+):
+    llm = lora_llm(tiny_llama)
+    path = broken_copy(adapters["all8"], str(tmp_path / how), how)
+    prompt = tiny_prompts(llm.get_tokenizer(), 1, seed=9)[0]
+    with pytest.raises(InvalidRequestError) as e:
+        generate(llm, [prompt], LoRARequest("bad", 7, path))
+    assert e.value.param == "lora_request"
+    assert message in str(e.value) and path in str(e.value)
+    ok = LoRARequest("all8", 1, adapters["all8"])
+    assert generate(llm, [prompt], ok) == [reference.greedy(prompt, "all8")]
+    assert llm.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_adapter_of_another_model_is_refused(tiny_llama, adapters, tmp_path):
+    wide = make_model(str(tmp_path / "wide"), "llama", hidden_size=96)
+    llm = lora_llm(wide)
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"has shape \[64, 8\], expected \[96, 8\].*down_proj is 128 -> 96",
+    ):
+        generate(llm, [[5, 6, 7]], LoRARequest("all8", 1, adapters["all8"]))
+
+
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        ("adapter", "must be a LoRARequest"),
+        (LoRARequest("", 1, "x"), "lora_request.lora_name must not be empty"),
+        (LoRARequest("a", 0, "x"), "lora_request.lora_int_id must be an integer >= 1"),
+        (LoRARequest("a", 1, "/no/such/adapter"), "no such folder"),
+    ],
+)
+def test_bad_lora_requests(tiny_llama, lora, message):
+    llm = lora_llm(tiny_llama)
+    with pytest.raises(InvalidRequestError, match=message) as e:
+        generate(llm, [[5, 6, 7]], lora)
+    assert e.value.param == "lora_request"
+
+
+def test_lora_off_refuses_adapters(tiny_llama, adapters):
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 22)
+    with pytest.raises(InvalidRequestError, match="enable_lora") as e:
+        generate(llm, [[5, 6, 7]], LoRARequest("all8", 1, adapters["all8"]))
+    assert e.value.param == "lora_request"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_loras=0), "max_loras must be a positive integer"),
+        (dict(max_lora_rank=-1), "max_lora_rank must be a positive integer"),
+        (dict(max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be at least max_loras"),
+        (dict(enable_lora="yes"), "enable_lora must be true or false"),
+    ],
+)
+def test_bad_lora_engine_args(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs).create_model_config()
+
+
+def test_an_adapter_broken_after_the_front_door_fails_alone(
+    tiny_llama, adapters, reference, tmp_path
+):
+    """Its file goes away between the check and the first step that reads it: that
+    request ends with an error, the others finish as they would have."""
+    engine = LLMEngine(
+        EngineArgs(
+            tiny_llama,
+            dtype="float32",
+            kv_cache_memory_bytes=1 << 22,
+            enable_lora=True,
+            max_loras=2,
+        )
+    )
+    doomed = shutil.copytree(adapters["all8"], str(tmp_path / "doomed"))
+    prompts = tiny_prompts(engine.tokenizer, 3, seed=10)
+    loras = [None, LoRARequest("doomed", 5, doomed), LoRARequest("mlp16", 3, adapters["mlp16"])]
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY, lora_request=lora)
+    shutil.rmtree(doomed)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["1"].outputs[0].finish_reason == "error"
+    assert "doomed" in finished["1"].error and finished["1"].error_is_client
+    assert finished["0"].outputs[0].token_ids == reference.greedy(prompts[0], None)
+    assert finished["2"].outputs[0].token_ids == reference.greedy(prompts[2], "mlp16")
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_removed_in_flight_the_adapter_is_read_again(tiny_llama, adapters, reference):
+    engine = LLMEngine(
+        EngineArgs(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 22, enable_lora=True)
+    )
+    lora = LoRARequest("all8", 1, adapters["all8"])
+    engine.add_lora(lora)  # read ahead: the first step needs no disk
+    manager = engine.model_runner.lora_manager
+    assert manager.num_loads == 0 and engine.list_loras() == []
+    prompt = tiny_prompts(engine.tokenizer, 1, seed=11)[0]
+    engine.add_request("r", {"prompt_token_ids": prompt}, GREEDY, lora_request=lora)
+    for _ in range(4):
+        engine.step()
+    assert engine.list_loras() == [1]
+    assert engine.remove_lora(1) and engine.list_loras() == []
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    assert out.outputs[0].token_ids == reference.greedy(prompt, "all8")
+    assert out.lora_request == lora
+    assert manager.num_loads == 1
+
+
+def test_lora_stats(tiny_llama, adapters):
+    engine = LLMEngine(
+        EngineArgs(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 22, enable_lora=True)
+    )
+    requests = lora_requests(adapters)
+    engine.add_request("a", "The quick brown fox", GREEDY, lora_request=requests["all8"])
+    engine.add_request("b", "Hello world", GREEDY, lora_request=requests["mlp16"])
+    engine.add_request("c", "Hello world", GREEDY)
+    engine.step()  # max_loras = 1: mlp16's request waits, the base model's runs
+    stats = engine.get_stats().lora
+    assert stats.max_loras == 1 and stats.num_resident == 1
+    assert stats.running_adapters == ("all8",) and stats.waiting_adapters == ("mlp16",)
+    assert engine.get_stats().num_requests_running == 2
+
+
+# ---- kernels --------------------------------------------------------------------------------
+
+
+def random_slots(num_slots: int, widths: list[int], rank: int, in_features: int, seed: int):
+    """A LinearLoRA with random weights, zero past each slot's rank (as the manager keeps it)."""
+    from pagoda.lora.manager import LinearLoRA
+
+    g = torch.Generator().manual_seed(seed)
+    num_slices = len(widths)
+    ranks = torch.randint(0, rank + 1, (num_slots, num_slices), generator=g, dtype=torch.int32)
+    ranks[0] = rank  # one full slot
+    a = torch.randn(num_slots, num_slices, rank, in_features, generator=g)
+    b = torch.randn(num_slots, rank, sum(widths), generator=g)
+    offsets = [sum(widths[:i]) for i in range(num_slices)]
+    for slot in range(num_slots):
+        for i, r in enumerate(ranks[slot].tolist()):
+            a[slot, i, r:] = 0
+            b[slot, r:, offsets[i] : offsets[i] + widths[i]] = 0
+    return LinearLoRA(a, b, ranks, offsets, widths, ())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths, rank", [([40, 16, 16], 8), ([96], 16), ([50, 50], 3)])
+def test_lora_kernel_matches_the_twin(dtype, widths, rank):
+    from pagoda.lora.manager import LoRAMapping
+    from pagoda.ops import cpu, torch_ops
+
+    module = cpu.load()
+    if module is None or not module.lora_add_available():
+        pytest.skip("the C++ kernels do not build here")
+    lora = random_slots(3, widths, rank, 72, seed=rank)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(23, 72, generator=g).to(dtype)
+    y = torch.randn(23, sum(widths), generator=g).to(dtype)
+    segments = [(0, 5, 1), (7, 8, 0), (8, 20, 2), (20, 21, 0)]  # rows 5, 6, 21, 22: base
+    mapping = LoRAMapping(segments, torch.tensor(segments))
+    want = torch_ops.add_lora(y.clone(), x, lora, mapping)
+    got = y.clone()
+    module.lora_add(got, x, lora.a, lora.b, lora.ranks, lora.offsets, mapping.segment_tensor)
+    base_rows = [5, 6, 21, 22]
+    assert torch.equal(got[base_rows], y[base_rows])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # one rounding of the same float32 sum: at most one bf16 step apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_loop_with_adapters_equals_eager(tiny_llama, adapters, dtype):
+    """The C++ decode loop adds each adapter's part with the same kernel, arguments and
+    order as the Python model: bitwise the same logprobs, adapters and base in one step."""
+    from pagoda.ops import cpu
+
+    module = cpu.load()
+    if module is None or (dtype == "bfloat16" and not module.small_gemm_available()):
+        pytest.skip("the decode loop does not run this here")
+    runs = []
+    for eager in (False, True):
+        llm = lora_llm(tiny_llama, dtype=dtype, enforce_eager=eager)
+        prompts = tiny_prompts(llm.get_tokenizer(), 6, seed=12)
+        _, loras = mixed(prompts, lora_requests(adapters))
+        params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras
+        )
+        runs.append(
+            (llm.llm_engine.model_runner.decode_loop_max_rows, [o.outputs[0] for o in outs])
+        )
+    (loop_rows, got), (eager_rows, want) = runs
+    assert loop_rows and not eager_rows
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
