@@ -547,7 +547,9 @@ def test_bad_requests_do_not_harm_others(server, client):
 
 def test_non_streaming_client_that_leaves_aborts(server):
     before = server.wait_idle()
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "ignore_eos": True}
+    # 64 completions of 500 tokens: seconds of work on any of our CPUs (one completion
+    # alone, 0.25 s on an AMD EPYC, could finish before the client gives up).
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "n": 64}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.2)
     after = server.wait_idle()
