@@ -539,3 +539,58 @@ def test_decode_loop_with_adapters_equals_eager(tiny_llama, adapters, dtype):
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs
+
+
+@pytest.mark.slow
+def test_smollm2_adapters_match_peft(gguf_path, tmp_path):
+    """The real model from its GGUF file (its Q4_1 blocks kept, float32 activations)
+    with two PEFT adapters and the base model in one batch, against transformers on the
+    dequantized file with PEFT: token for token."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.test_smollm2 import QUESTIONS, load_hf
+
+    hf = load_hf(gguf_path, torch.float32)
+    torch.manual_seed(2)
+    configs = {
+        "a": LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False),
+        "b": LoraConfig(
+            r=16,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            init_lora_weights=False,
+        ),
+    }
+    peft_model = get_peft_model(hf, configs["a"], adapter_name="a")
+    peft_model.add_adapter("b", configs["b"])
+    with torch.no_grad():  # random B, small enough that the model still talks
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.3)
+    peft_model.save_pretrained(str(tmp_path))  # a non-default adapter goes to its own folder
+    peft_model.eval()
+
+    llm = LLM(gguf_path, dtype="float32", kv_cache_memory_bytes=1 << 27, enable_lora=True,
+              max_loras=2, max_lora_rank=16)  # fmt: skip
+    requests = {n: LoRARequest(n, i, str(tmp_path / n)) for i, n in enumerate(configs, 1)}
+    picks = ["a", "b", None, "a", "b", None]
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS[: len(picks)]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    outs = llm.chat(convs, params, use_tqdm=False, lora_request=[requests.get(p) for p in picks])
+    differs = 0
+    for pick, out in zip(picks, outs, strict=True):
+        ids = torch.tensor([out.prompt_token_ids])
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                      do_sample=False)  # fmt: skip
+        with torch.inference_mode():
+            if pick is None:
+                with peft_model.disable_adapter():
+                    ref = peft_model.generate(**kwargs)
+            else:
+                peft_model.set_adapter(pick)
+                ref = peft_model.generate(**kwargs)
+                with peft_model.disable_adapter():
+                    base = peft_model.generate(**kwargs)
+                differs += not torch.equal(ref, base)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), pick
+    assert differs >= 3  # the adapters change what the model says
