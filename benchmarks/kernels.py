@@ -106,6 +106,55 @@ def norm_and_rotary(kernels) -> None:
         )
 
 
+def lora(kernels, rank: int = 16, num_adapters: int = 8) -> None:
+    """One step's LoRA products (every linear of the 30 layers, rank 16, bf16 slots):
+    lora_add against oneDNN's GEMMs per segment (torch_ops.add_lora_segments), for one
+    segment and for the rows split over 8 adapters: where LORA_ADD_MAX_ROWS sits."""
+    from pagoda.lora.manager import LinearLoRA, LoRAMapping
+    from pagoda.ops import torch_ops
+
+    slices = [(HIDDEN, [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]),
+              (HIDDEN, [HIDDEN]), (HIDDEN, [1536, 1536]), (1536, [HIDDEN])]  # fmt: skip
+
+    def slots(in_features: int, widths: list[int]) -> LinearLoRA:
+        n = len(widths)
+        return LinearLoRA(
+            torch.randn(num_adapters, n, rank, in_features).bfloat16() * 0.02,
+            torch.randn(num_adapters, rank, sum(widths)).bfloat16() * 0.02,
+            torch.full((num_adapters, n), rank, dtype=torch.int32),
+            [sum(widths[:i]) for i in range(n)],
+            widths,
+            (),
+        )
+
+    layers = [[slots(k, w) for k, w in slices] for _ in range(LAYERS)]
+    for rows in (1, 8, 16, 32, 64, 256, 2048):
+        for num_segments in (1, 8):
+            if num_segments > rows:
+                continue
+            per = rows // num_segments
+            segments = [(i * per, (i + 1) * per, i) for i in range(num_segments)]
+            mapping = LoRAMapping(segments, torch.tensor(segments))
+            xs = [torch.randn(rows, k).bfloat16() for k, _ in slices]
+            ys = [torch.randn(rows, sum(w)).bfloat16() for _, w in slices]
+
+            def step(add, xs=xs, ys=ys, mapping=mapping):
+                return lambda: [add(y, x, lo, mapping) for los in layers
+                                for lo, x, y in zip(los, xs, ys, strict=True)]  # fmt: skip
+
+            def kernel(y, x, lo, m):
+                kernels.lora_add(y, x, lo.a, lo.b, lo.ranks, lo.offsets, m.segment_tensor)
+
+            def gemm(y, x, lo, m):
+                torch_ops.add_lora_segments(y, x, lo, m.segments, cpu.pad_rows)
+
+            ours, onednn = best_ms(step(kernel), 3), best_ms(step(gemm), 3)
+            print(
+                f"LoRA rank {rank}, {rows:>4} rows in {num_segments} segment(s): lora_add "
+                f"{ours:7.2f} ms  oneDNN GEMMs {onednn:7.2f} ms ({onednn / ours:.2f}x)"
+            )
+
+
 def main() -> None:
     kernels = cpu.load()
     if kernels is None:
@@ -117,6 +166,7 @@ def main() -> None:
         print("small_gemm: not built (this CPU lacks AVX512-BF16)")
     decode_attention(kernels)
     norm_and_rotary(kernels)
+    lora(kernels)
 
 
 if __name__ == "__main__":

@@ -469,34 +469,44 @@ def test_lora_stats(tiny_llama, adapters):
 # ---- kernels --------------------------------------------------------------------------------
 
 
-def random_slots(num_slots: int, widths: list[int], rank: int, in_features: int, seed: int):
-    """A LinearLoRA with random weights, zero past each slot's rank (as the manager keeps it)."""
+def random_slots(
+    num_slots: int, widths: list[int], rank: int, in_features: int, seed: int, dtype=torch.float32
+):
+    """A LinearLoRA with random weights in `dtype`, zero past each slot's rank (as the
+    manager keeps it)."""
     from pagoda.lora.manager import LinearLoRA
 
     g = torch.Generator().manual_seed(seed)
     num_slices = len(widths)
     ranks = torch.randint(0, rank + 1, (num_slots, num_slices), generator=g, dtype=torch.int32)
     ranks[0] = rank  # one full slot
-    a = torch.randn(num_slots, num_slices, rank, in_features, generator=g)
-    b = torch.randn(num_slots, rank, sum(widths), generator=g)
+    a = torch.randn(num_slots, num_slices, rank, in_features, generator=g) * 0.1
+    b = torch.randn(num_slots, rank, sum(widths), generator=g) * 0.1
     offsets = [sum(widths[:i]) for i in range(num_slices)]
     for slot in range(num_slots):
         for i, r in enumerate(ranks[slot].tolist()):
             a[slot, i, r:] = 0
             b[slot, r:, offsets[i] : offsets[i] + widths[i]] = 0
-    return LinearLoRA(a, b, ranks, offsets, widths, ())
+    return LinearLoRA(a.to(dtype), b.to(dtype), ranks, offsets, widths, ())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype, weight_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),  # AVX512-BF16 dot products where the CPU has them
+    ],
+)
 @pytest.mark.parametrize("widths, rank", [([40, 16, 16], 8), ([96], 16), ([50, 50], 3)])
-def test_lora_kernel_matches_the_twin(dtype, widths, rank):
+def test_lora_kernel_matches_the_twin(dtype, weight_dtype, widths, rank):
     from pagoda.lora.manager import LoRAMapping
     from pagoda.ops import cpu, torch_ops
 
     module = cpu.load()
     if module is None or not module.lora_add_available():
         pytest.skip("the C++ kernels do not build here")
-    lora = random_slots(3, widths, rank, 72, seed=rank)
+    lora = random_slots(3, widths, rank, 72, seed=rank, dtype=weight_dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(23, 72, generator=g).to(dtype)
     y = torch.randn(23, sum(widths), generator=g).to(dtype)
@@ -509,8 +519,8 @@ def test_lora_kernel_matches_the_twin(dtype, widths, rank):
     assert torch.equal(got[base_rows], y[base_rows])
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    else:  # one rounding of the same float32 sum: at most one bf16 step apart
-        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    else:  # bf16 roundings in different places (the twin rounds its GEMMs' outputs)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 class LinearLoRA:
     """The adapter slots of one linear layer (the manager writes them, the layer reads)."""
 
-    a: torch.Tensor  # [max_loras, slices, R, in] float32
-    b: torch.Tensor  # [max_loras, R, out] float32
+    a: torch.Tensor  # [max_loras, slices, R, in], float32 or bf16
+    b: torch.Tensor  # [max_loras, R, out], the same dtype
     ranks: torch.Tensor  # [max_loras, slices] int32: each slot's rank per slice
     offsets: list[int]  # each slice's first output column
     widths: list[int]  # each slice's output columns
@@ -59,11 +59,32 @@ class LoRAMapping:
 
     segments: list[tuple[int, int, int]]
     segment_tensor: torch.Tensor  # [len(segments), 3] int64
+    _splits: dict = field(default_factory=dict, repr=False)
+
+    def split(self, max_rows: int) -> tuple[torch.Tensor | None, list[tuple[int, int, int]]]:
+        """(the segments of at most `max_rows` tokens as a tensor, or None; the longer
+        ones as ints), computed once per step for every linear that asks."""
+        if max_rows not in self._splits:
+            short = [s for s in self.segments if s[1] - s[0] <= max_rows]
+            long = [s for s in self.segments if s[1] - s[0] > max_rows]
+            if len(short) == len(self.segments):
+                self._splits[max_rows] = self.segment_tensor, long
+            else:
+                self._splits[max_rows] = torch.tensor(short) if short else None, long
+        return self._splits[max_rows]
 
 
 class LoRAManager:
-    def __init__(self, model: torch.nn.Module, hf_config: dict[str, Any], config: LoRAConfig):
-        """Give every adaptable linear of `model` (`model.lora_linears()`) its slots."""
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hf_config: dict[str, Any],
+        config: LoRAConfig,
+        dtype: torch.dtype = torch.float32,
+    ):
+        """Give every adaptable linear of `model` (`model.lora_linears()`) its slots, in
+        `dtype` (bf16 for a bf16 model, as vLLM keeps adapters in the model's dtype:
+        half the bytes, and oneDNN's bf16 GEMMs for long segments; float32 otherwise)."""
         self.config = config
         self.hf_config = hf_config
         shapes = module_shapes(hf_config)
@@ -74,8 +95,8 @@ class LoRAManager:
             offsets = [sum(widths[:i]) for i in range(len(widths))]
             in_features = shapes[hf_modules[0]][0]
             lora = LinearLoRA(
-                torch.zeros(num_slots, len(hf_modules), rank, in_features),
-                torch.zeros(num_slots, rank, sum(widths)),
+                torch.zeros(num_slots, len(hf_modules), rank, in_features, dtype=dtype),
+                torch.zeros(num_slots, rank, sum(widths), dtype=dtype),
                 torch.zeros(num_slots, len(hf_modules), dtype=torch.int32),
                 offsets,
                 widths,
@@ -89,9 +110,10 @@ class LoRAManager:
         self.num_loads = 0  # adapters read from disk (for tests and logs)
         nbytes = sum(lora.a.nbytes + lora.b.nbytes for lora in self.linears)
         logger.info(
-            "LoRA: %d slots of rank %d over %d linears (%.1f MiB), host cache of %d adapters",
+            "LoRA: %d slots of rank %d in %s over %d linears (%.1f MiB), host cache of %d adapters",
             num_slots,
             rank,
+            str(dtype).removeprefix("torch."),
             len(self.linears),
             nbytes / 2**20,
             config.max_cpu_loras,

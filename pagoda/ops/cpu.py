@@ -109,6 +109,12 @@ QUANT_LINEAR_MAX_ROWS = 16
 # 144 vs 140 at 512, 487 vs 215 at 2,048.
 INT8_SMALL_MAX_ROWS = 8
 W8A8_INT_MAX_ROWS = 256
+# Adapter segments of up to this many rows go to the C++ lora_add, longer ones to oneDNN's
+# GEMMs. One step's LoRA products, SmolLM2's 30 layers at rank 16 in bf16 (AMD EPYC, 2
+# threads, benchmarks/kernels.py): lora_add 0.7 ms at one row (oneDNN 8.0), 3.6 at 64
+# (9.4), 13.2 at 256 (14.8), 191 at 2,048 (109); the GEMMs cost about 60 us of calls per
+# linear and segment, which is what lora_add saves at decode.
+LORA_ADD_MAX_ROWS = 256
 # The C++ decode loop takes steps of up to this many rows (where float32 linears, which
 # go to F.linear at any size, set no lower limit).
 DECODE_LOOP_MAX_ROWS = 16
@@ -197,7 +203,13 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
     if module.lora_add_available():
 
         def add_lora(y: torch.Tensor, x: torch.Tensor, lora, mapping) -> torch.Tensor:
-            module.lora_add(y, x, lora.a, lora.b, lora.ranks, lora.offsets, mapping.segment_tensor)
+            # Short segments (decode): lora_add, which reads only each slot's own ranks;
+            # long ones (prefill chunks): oneDNN's GEMMs, rows bucketed as for linears.
+            short, long = mapping.split(LORA_ADD_MAX_ROWS)
+            if short is not None:
+                module.lora_add(y, x, lora.a, lora.b, lora.ranks, lora.offsets, short)
+            if long:
+                torch_ops.add_lora_segments(y, x, lora, long, pad_rows)
             return y
 
     def add_rms_norm(x, residual, weight, eps):

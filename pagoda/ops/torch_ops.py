@@ -90,15 +90,25 @@ def quant_linear(
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora, mapping) -> torch.Tensor:
-    """y [T, out] += each segment's LoRA product, in place, in float32: per segment
-    (tokens [start, end) on slot s) shrink x @ A^T -> [n, slices * R], then each slice's
-    R columns times B^T's columns of that slice. `lora`: a LinearLoRA (a [L, S, R, in],
-    b [L, R, out], zero past each slot's rank); `mapping`: a LoRAMapping."""
+    """y [T, out] += each segment's LoRA product, in place: per segment (tokens [start,
+    end) on slot s) shrink x @ A^T -> [n, slices * R], then each slice's rank columns
+    times B^T's columns of that slice, in the slots' dtype. `lora`: a LinearLoRA (a
+    [L, S, R, in], b [L, R, out], zero past each slot's rank); `mapping`: a LoRAMapping."""
+    return add_lora_segments(y, x, lora, mapping.segments)
+
+
+def add_lora_segments(y, x, lora, segments, pad_rows=None) -> torch.Tensor:
+    """`add_lora` over (start, end, slot) segments, one GEMM per segment and slice;
+    `pad_rows(t)` may append rows to a GEMM's input (whose extra rows are dropped)."""
     num_slices, rank, in_features = lora.a.shape[1:]
-    for start, end, slot in mapping.segments:
-        a = lora.a[slot].view(num_slices * rank, in_features)
-        shrunk = x[start:end].float() @ a.T  # [n, S * R]
+    for start, end, slot in segments:
+        ranks = lora.ranks[slot].tolist()
+        xs = x[start:end].to(lora.a.dtype)
+        shrunk = (xs if pad_rows is None else pad_rows(xs)) @ lora.a[slot].view(-1, in_features).T
         for i, (offset, width) in enumerate(zip(lora.offsets, lora.widths, strict=True)):
-            part = shrunk[:, i * rank : (i + 1) * rank] @ lora.b[slot, :, offset : offset + width]
-            y[start:end, offset : offset + width].add_(part)
+            r = ranks[i]
+            if r:
+                s = shrunk[:, i * rank : i * rank + r]  # [n (+ padding), r]
+                part = s @ lora.b[slot, :r, offset : offset + width]
+                y[start:end, offset : offset + width].add_(part[: end - start])
     return y

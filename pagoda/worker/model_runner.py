@@ -48,7 +48,12 @@ class ModelRunner:
         )
         self.model = self._load_model(model_config)
         self.lora_manager = (
-            LoRAManager(self.model, model_config.hf_config, lora_config)
+            LoRAManager(
+                self.model,
+                model_config.hf_config,
+                lora_config,
+                torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32,
+            )
             if lora_config is not None
             else None
         )
