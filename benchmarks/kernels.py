@@ -109,7 +109,7 @@ def norm_and_rotary(kernels) -> None:
 def lora(kernels, rank: int = 16, num_adapters: int = 8) -> None:
     """One step's LoRA products (every linear of the 30 layers, rank 16, bf16 slots):
     lora_add against oneDNN's GEMMs per segment (torch_ops.add_lora_segments), for one
-    segment and for the rows split over 8 adapters: where LORA_ADD_MAX_ROWS sits."""
+    segment and for the rows split over 8 adapters: where LORA_GEMM_ROWS sits."""
     from pagoda.lora.manager import LinearLoRA, LoRAMapping
     from pagoda.ops import torch_ops
 
@@ -146,7 +146,7 @@ def lora(kernels, rank: int = 16, num_adapters: int = 8) -> None:
                 kernels.lora_add(y, x, lo.a, lo.b, lo.ranks, lo.offsets, m.segment_tensor)
 
             def gemm(y, x, lo, m):
-                torch_ops.add_lora_segments(y, x, lo, m.segments, cpu.pad_rows)
+                torch_ops.add_lora_segments(y, x, lo, m.segments)
 
             ours, onednn = best_ms(step(kernel), 3), best_ms(step(gemm), 3)
             print(

@@ -127,6 +127,9 @@ class SpeculativeConfig:
         return config
 
 
+MAX_LORA_RANK = 512  # vLLM's largest; the LoRA kernel's scratch is sized for it
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's names): adapters resident at once in the step's slots,
@@ -234,6 +237,10 @@ class EngineArgs:
                 positive(name)
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}.")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(
+                f"max_lora_rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}."
+            )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "

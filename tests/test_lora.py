@@ -9,6 +9,7 @@ attention only, MLP only, one layer only), alpha (alpha_pattern, rsLoRA). PEFT's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -132,29 +133,30 @@ def mixed(prompts, requests: dict[str, LoRARequest]):
     return picks, [requests[n] if n is not None else None for n in picks]
 
 
-def count_adapters_per_step(llm: LLM) -> list[int]:
-    """From now on, the number of distinct adapters in each step (appended per step)."""
+def record_steps(llm: LLM) -> list[tuple[int, object]]:
+    """From now on, per step: (its number of distinct adapters, its LoRAMapping)."""
     manager = llm.llm_engine.model_runner.lora_manager
-    counts: list[int] = []
+    steps: list[tuple[int, object]] = []
     prepare = manager.prepare
 
-    def counting(lora_requests, num_tokens):
-        counts.append(len({r.lora_int_id for r in lora_requests if r is not None}))
-        return prepare(lora_requests, num_tokens)
+    def recording(lora_requests, num_tokens):
+        mapping = prepare(lora_requests, num_tokens)
+        steps.append((len({r.lora_int_id for r in lora_requests if r is not None}), mapping))
+        return mapping
 
-    manager.prepare = counting
-    return counts
+    manager.prepare = recording
+    return steps
 
 
 def test_mixed_batch_matches_peft(tiny_llama, adapters, reference):
     llm = lora_llm(tiny_llama)
     prompts = tiny_prompts(llm.get_tokenizer(), 20, seed=3)
     picks, loras = mixed(prompts, lora_requests(adapters))
-    steps = count_adapters_per_step(llm)
+    steps = record_steps(llm)
     outputs = generate(llm, prompts, loras)
     for prompt, pick, out in zip(prompts, picks, outputs, strict=True):
         assert out == reference.greedy(prompt, pick), pick
-    assert max(steps) == 4  # the four adapters and the base model shared steps
+    assert max(n for n, _ in steps) == 4  # the four adapters and the base model shared steps
     # Each adapter changes what the model says.
     for name in adapters:
         assert any(
@@ -180,16 +182,33 @@ def test_preemption_and_more_adapters_than_slots(tiny_llama, adapters, reference
     )
     prompts = tiny_prompts(llm.get_tokenizer(), 20, seed=4)
     picks, loras = mixed(prompts, lora_requests(adapters))
-    steps = count_adapters_per_step(llm)
+    steps = record_steps(llm)
     for _ in range(2):  # the second time, the first adapters come back from disk
         outputs = generate(llm, prompts, loras)
         for prompt, pick, out in zip(prompts, picks, outputs, strict=True):
             assert out == reference.greedy(prompt, pick), pick
     engine = llm.llm_engine
     assert engine.get_stats().num_preemptions > 0
-    assert max(steps) == 2
+    assert max(n for n, _ in steps) == 2
     assert engine.model_runner.lora_manager.num_loads > len(adapters)
     assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_long_segments_match_peft(tiny_llama, adapters, reference):
+    """Prefill steps whose segments are longer than LORA_GEMM_ROWS: cut into GEMM
+    pieces, the rest to the C++ kernel."""
+    from pagoda.ops.cpu import LORA_GEMM_ROWS
+
+    llm = lora_llm(tiny_llama, max_num_batched_tokens=2048)
+    prompts = [(p * 6)[:400] for p in tiny_prompts(llm.get_tokenizer(), 12, seed=13)]
+    picks = ["all8"] * 8 + ["mlp16"] * 4
+    steps = record_steps(llm)
+    requests = lora_requests(adapters)
+    outputs = generate(llm, prompts, [requests[n] for n in picks])
+    for prompt, pick, out in zip(prompts, picks, outputs, strict=True):
+        assert out == reference.greedy(prompt, pick), pick
+    longest = max(end - start for _, m in steps if m for start, end, _ in m.segments)
+    assert longest > LORA_GEMM_ROWS
 
 
 def test_evicted_and_reloaded_between_calls(tiny_llama, adapters, reference):
@@ -388,6 +407,7 @@ def test_lora_off_refuses_adapters(tiny_llama, adapters):
     [
         (dict(max_loras=0), "max_loras must be a positive integer"),
         (dict(max_lora_rank=-1), "max_lora_rank must be a positive integer"),
+        (dict(max_lora_rank=1024), "max_lora_rank must be at most 512"),
         (dict(max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be at least max_loras"),
         (dict(enable_lora="yes"), "enable_lora must be true or false"),
     ],
@@ -512,15 +532,44 @@ def test_lora_kernel_matches_the_twin(dtype, weight_dtype, widths, rank):
     y = torch.randn(23, sum(widths), generator=g).to(dtype)
     segments = [(0, 5, 1), (7, 8, 0), (8, 20, 2), (20, 21, 0)]  # rows 5, 6, 21, 22: base
     mapping = LoRAMapping(segments, torch.tensor(segments))
-    want = torch_ops.add_lora(y.clone(), x, lora, mapping)
+    # The reference: the twin in float32 on the same (possibly bf16-rounded) values.
+    exact = dataclasses.replace(lora, a=lora.a.float(), b=lora.b.float())
+    want = torch_ops.add_lora(y.clone().float(), x.float(), exact, mapping)
     got = y.clone()
     module.lora_add(got, x, lora.a, lora.b, lora.ranks, lora.offsets, mapping.segment_tensor)
     base_rows = [5, 6, 21, 22]
     assert torch.equal(got[base_rows], y[base_rows])
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    else:  # bf16 roundings in different places (the twin rounds its GEMMs' outputs)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    else:  # y rounded to bf16, and with bf16 weights the shrink's output too
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_add_lora_cuts_long_segments(dtype):
+    """The CPU op: pieces of LORA_GEMM_ROWS rows through oneDNN, the rest through
+    lora_add, against the float32 twin."""
+    from pagoda.lora.manager import LoRAMapping
+    from pagoda.ops import cpu, torch_ops
+
+    ops = cpu.cpu_ops(dtype)
+    if ops is None:
+        pytest.skip("the C++ kernels do not build here")
+    lora = random_slots(3, [40, 16, 16], 8, 72, seed=4, dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1300, 72, generator=g).to(dtype)
+    y = torch.randn(1300, 72, generator=g).to(dtype)
+    segments = [(0, 1100, 1), (1100, 1150, 0), (1160, 1300, 2)]
+    mapping = LoRAMapping(segments, torch.tensor(segments))
+    pieces, rest = mapping.split(cpu.LORA_GEMM_ROWS)
+    assert pieces == [(0, 512, 1), (512, 1024, 1)]
+    assert rest.tolist() == [[1024, 1100, 1], [1100, 1150, 0], [1160, 1300, 2]]
+    exact = dataclasses.replace(lora, a=lora.a.float(), b=lora.b.float())
+    want = torch_ops.add_lora(y.clone().float(), x.float(), exact, mapping)
+    got = ops.add_lora(y.clone(), x, lora, mapping)
+    assert torch.equal(got[1150:1160], y[1150:1160])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -28,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t kRowTile = 4;
+constexpr int64_t kRowTile = 8;
 constexpr int64_t kRankTile = 4;
 constexpr int64_t kColChunk = 64;
 constexpr int64_t kMaxRank = 512;  // the largest max_lora_rank (a stack buffer's size)
@@ -103,15 +103,27 @@ void shrink_rows(const XT* x, int64_t K, const WT* a, const Tile& t, int64_t r0,
   }
 }
 
+// A tile's rows in register-sized pieces of `max` rows, then halves: 7 rows = 4 + 2 + 1.
+template <typename F>
+void in_pieces(const Tile& t, int64_t max, F&& piece) {
+  for (int64_t done = 0; done < t.rows;) {
+    int64_t rows = max;
+    while (rows > t.rows - done) rows /= 2;
+    piece(Tile{t.row0 + done, rows, t.slot, t.s_row0 + done});
+    done += rows;
+  }
+}
+
 template <typename XT, typename WT>
 void shrink(const XT* x, int64_t K, const WT* a, const Tile& t, int64_t r0, int64_t nr, float* s,
             int64_t s_stride) {
-  switch (t.rows) {
-    case 1: return shrink_rows<1>(x, K, a, t, r0, nr, s, s_stride);
-    case 2: return shrink_rows<2>(x, K, a, t, r0, nr, s, s_stride);
-    case 3: return shrink_rows<3>(x, K, a, t, r0, nr, s, s_stride);
-    default: return shrink_rows<kRowTile>(x, K, a, t, r0, nr, s, s_stride);
-  }
+  in_pieces(t, 4, [&](const Tile& p) {  // 4 rows x 4 ranks: 16 accumulators
+    switch (p.rows) {
+      case 1: return shrink_rows<1>(x, K, a, p, r0, nr, s, s_stride);
+      case 2: return shrink_rows<2>(x, K, a, p, r0, nr, s, s_stride);
+      default: return shrink_rows<4>(x, K, a, p, r0, nr, s, s_stride);
+    }
+  });
 }
 
 template <int64_t ROWS, typename YT, typename WT>
@@ -183,12 +195,14 @@ void expand_rows(YT* y, int64_t y_stride, const at::BFloat16* b, int64_t N, cons
 template <typename YT, typename WT>
 void expand(YT* y, int64_t y_stride, const WT* b, int64_t N, const Tile& t, const float* s,
             int64_t s_stride, int64_t rank, int64_t col0, int64_t col1) {
-  switch (t.rows) {
-    case 1: return expand_rows<1>(y, y_stride, b, N, t, s, s_stride, rank, col0, col1);
-    case 2: return expand_rows<2>(y, y_stride, b, N, t, s, s_stride, rank, col0, col1);
-    case 3: return expand_rows<3>(y, y_stride, b, N, t, s, s_stride, rank, col0, col1);
-    default: return expand_rows<kRowTile>(y, y_stride, b, N, t, s, s_stride, rank, col0, col1);
-  }
+  in_pieces(t, kRowTile, [&](const Tile& p) {  // each loaded chunk of B serves 8 rows
+    switch (p.rows) {
+      case 1: return expand_rows<1>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
+      case 2: return expand_rows<2>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
+      case 4: return expand_rows<4>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
+      default: return expand_rows<8>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
+    }
+  });
 }
 
 template <typename XT, typename YT, typename WT>

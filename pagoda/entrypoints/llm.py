@@ -50,24 +50,10 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if isinstance(sampling_params, Sequence):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts."
-                )
-            params_list = list(sampling_params)
-        else:
-            params_list = [sampling_params] * len(prompts)
+        params_list = _per_prompt(sampling_params, "sampling_params", len(prompts))
+        loras = _per_prompt(lora_request, "lora_request", len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
-        if isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
-            if len(lora_request) != len(prompts):
-                raise ValueError(
-                    f"lora_request has {len(lora_request)} entries for {len(prompts)} prompts."
-                )
-            loras = list(lora_request)
-        else:
-            loras = [lora_request] * len(prompts)
         default_params = self.llm_engine.processor.default_sampling_params()
         request_ids = []
         try:
@@ -146,3 +132,12 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _per_prompt(value: Any, name: str, num_prompts: int) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != num_prompts:
+            raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts.")
+        return list(value)
+    return [value] * num_prompts

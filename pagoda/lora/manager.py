@@ -61,17 +61,22 @@ class LoRAMapping:
     segment_tensor: torch.Tensor  # [len(segments), 3] int64
     _splits: dict = field(default_factory=dict, repr=False)
 
-    def split(self, max_rows: int) -> tuple[torch.Tensor | None, list[tuple[int, int, int]]]:
-        """(the segments of at most `max_rows` tokens as a tensor, or None; the longer
-        ones as ints), computed once per step for every linear that asks."""
-        if max_rows not in self._splits:
-            short = [s for s in self.segments if s[1] - s[0] <= max_rows]
-            long = [s for s in self.segments if s[1] - s[0] > max_rows]
-            if len(short) == len(self.segments):
-                self._splits[max_rows] = self.segment_tensor, long
+    def split(self, rows: int) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
+        """(pieces of exactly `rows` tokens cut from the segments' starts; what is left
+        of each segment, as a tensor, or None), computed once per step for every linear
+        that asks. A decode step's segments (shorter than `rows`) are all left."""
+        if rows not in self._splits:
+            pieces, rest = [], []
+            for start, end, slot in self.segments:
+                full = start + (end - start) // rows * rows
+                pieces += [(p, p + rows, slot) for p in range(start, full, rows)]
+                if full < end:
+                    rest.append((full, end, slot))
+            if not pieces:
+                self._splits[rows] = [], self.segment_tensor
             else:
-                self._splits[max_rows] = torch.tensor(short) if short else None, long
-        return self._splits[max_rows]
+                self._splits[rows] = pieces, torch.tensor(rest) if rest else None
+        return self._splits[rows]
 
 
 class LoRAManager:
@@ -83,8 +88,8 @@ class LoRAManager:
         dtype: torch.dtype = torch.float32,
     ):
         """Give every adaptable linear of `model` (`model.lora_linears()`) its slots, in
-        `dtype` (bf16 for a bf16 model, as vLLM keeps adapters in the model's dtype:
-        half the bytes, and oneDNN's bf16 GEMMs for long segments; float32 otherwise)."""
+        the model's `dtype`, as vLLM keeps adapters (for a bf16 model: half the bytes,
+        and bf16 dot products and GEMMs)."""
         self.config = config
         self.hf_config = hf_config
         shapes = module_shapes(hf_config)

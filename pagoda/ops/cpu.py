@@ -109,12 +109,14 @@ QUANT_LINEAR_MAX_ROWS = 16
 # 144 vs 140 at 512, 487 vs 215 at 2,048.
 INT8_SMALL_MAX_ROWS = 8
 W8A8_INT_MAX_ROWS = 256
-# Adapter segments of up to this many rows go to the C++ lora_add, longer ones to oneDNN's
-# GEMMs. One step's LoRA products, SmolLM2's 30 layers at rank 16 in bf16 (AMD EPYC, 2
-# threads, benchmarks/kernels.py): lora_add 0.7 ms at one row (oneDNN 8.0), 3.6 at 64
-# (9.4), 13.2 at 256 (14.8), 191 at 2,048 (109); the GEMMs cost about 60 us of calls per
-# linear and segment, which is what lora_add saves at decode.
-LORA_ADD_MAX_ROWS = 256
+# Adapter segments go to oneDNN's GEMMs in pieces of exactly this many rows (one M, so
+# oneDNN keeps one kernel per shape, and the expand adds into y in place), and what is
+# left of each (every segment of a decode step) to the C++ lora_add. One step's LoRA
+# products, SmolLM2's 30 layers at rank 16 in bf16 (AMD EPYC, 2 threads,
+# benchmarks/kernels.py): lora_add 0.5 ms at one row where the GEMMs take 8, 3.6 at 64
+# rows (9.4), 13 at 256 (15); past that the GEMMs win (the calls cost about 60 us per
+# linear and piece, which is what lora_add saves at decode).
+LORA_GEMM_ROWS = 512
 # The C++ decode loop takes steps of up to this many rows (where float32 linears, which
 # go to F.linear at any size, set no lower limit).
 DECODE_LOOP_MAX_ROWS = 16
@@ -203,13 +205,11 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
     if module.lora_add_available():
 
         def add_lora(y: torch.Tensor, x: torch.Tensor, lora, mapping) -> torch.Tensor:
-            # Short segments (decode): lora_add, which reads only each slot's own ranks;
-            # long ones (prefill chunks): oneDNN's GEMMs, rows bucketed as for linears.
-            short, long = mapping.split(LORA_ADD_MAX_ROWS)
-            if short is not None:
-                module.lora_add(y, x, lora.a, lora.b, lora.ranks, lora.offsets, short)
-            if long:
-                torch_ops.add_lora_segments(y, x, lora, long, pad_rows)
+            pieces, rest = mapping.split(LORA_GEMM_ROWS)
+            if pieces:
+                torch_ops.add_lora_segments(y, x, lora, pieces)
+            if rest is not None:
+                module.lora_add(y, x, lora.a, lora.b, lora.ranks, lora.offsets, rest)
             return y
 
     def add_rms_norm(x, residual, weight, eps):

@@ -97,18 +97,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora, mapping) -> torch.Tensor:
     return add_lora_segments(y, x, lora, mapping.segments)
 
 
-def add_lora_segments(y, x, lora, segments, pad_rows=None) -> torch.Tensor:
-    """`add_lora` over (start, end, slot) segments, one GEMM per segment and slice;
-    `pad_rows(t)` may append rows to a GEMM's input (whose extra rows are dropped)."""
+def add_lora_segments(y, x, lora, segments) -> torch.Tensor:
+    """`add_lora` over (start, end, slot) segments: one GEMM per segment for the shrink,
+    one per slice for the expand, added into y in place."""
     num_slices, rank, in_features = lora.a.shape[1:]
     for start, end, slot in segments:
         ranks = lora.ranks[slot].tolist()
-        xs = x[start:end].to(lora.a.dtype)
-        shrunk = (xs if pad_rows is None else pad_rows(xs)) @ lora.a[slot].view(-1, in_features).T
+        shrunk = x[start:end].to(lora.a.dtype) @ lora.a[slot].view(-1, in_features).T
         for i, (offset, width) in enumerate(zip(lora.offsets, lora.widths, strict=True)):
             r = ranks[i]
             if r:
-                s = shrunk[:, i * rank : i * rank + r]  # [n (+ padding), r]
-                part = s @ lora.b[slot, :r, offset : offset + width]
-                y[start:end, offset : offset + width].add_(part[: end - start])
+                y[start:end, offset : offset + width].addmm_(
+                    shrunk[:, i * rank : i * rank + r], lora.b[slot, :r, offset : offset + width]
+                )
     return y

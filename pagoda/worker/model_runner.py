@@ -52,7 +52,7 @@ class ModelRunner:
                 self.model,
                 model_config.hf_config,
                 lora_config,
-                torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32,
+                self.dtype,
             )
             if lora_config is not None
             else None
