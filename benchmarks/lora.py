@@ -9,6 +9,10 @@ adapter and spread over many, one command.
   over `--num-adapters` adapters (max_loras = that many, so one step serves them all);
 - batch 1 (one request at a time, 128 output tokens): base against one adapter.
 
+The three `uniform` runs go in rounds (`--rounds`, default 2: base, one, many, then
+again), so that a drift of the shared machine falls on all of them; each ratio is
+the median over rounds of that round's ratio.
+
 Adapters are random, rank `--rank`, on every linear layer (q/k/v/o/gate/up/down),
 written in PEFT's format to a temporary folder. Each run is its own process
 (pagoda.bench.throughput.run_pagoda); figures are ratios within this one command;
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 
 import torch
@@ -60,6 +65,7 @@ def main() -> None:
     parser.add_argument("--num-adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args()
     path, is_gguf = resolve_model(ns.model)
@@ -93,30 +99,37 @@ def main() -> None:
             )
             return result
 
-        base = run("uniform, base model", uniform)
-        one = run("uniform, 1 adapter", uniform, [adapters[0]] * len(uniform), **lora_args)
         spread = [adapters[i % len(adapters)] for i in range(len(uniform))]
-        many = run(
-            f"uniform, {len(adapters)} adapters",
-            uniform,
-            spread,
-            max_loras=len(adapters),
-            **lora_args,
-        )
+        one_ratios, many_ratios = [], []
+        for r in range(1, ns.rounds + 1):
+            base = run(f"uniform, base model (round {r})", uniform)
+            one = run(f"uniform, 1 adapter (round {r})", uniform, [adapters[0]] * len(uniform),
+                      **lora_args)  # fmt: skip
+            many = run(
+                f"uniform, {len(adapters)} adapters (round {r})",
+                uniform,
+                spread,
+                max_loras=len(adapters),
+                **lora_args,
+            )
+            one_ratios.append(one["output_throughput"] / base["output_throughput"])
+            many_ratios.append(many["output_throughput"] / base["output_throughput"])
         b1 = run("batch 1, base model", single, max_num_seqs=1)
         b1_lora = run(
             "batch 1, 1 adapter", single, [adapters[0]] * len(single), max_num_seqs=1, **lora_args
         )
     summary = {
-        "one_adapter_vs_base": one["output_throughput"] / base["output_throughput"],
-        "many_adapters_vs_base": many["output_throughput"] / base["output_throughput"],
+        "one_adapter_vs_base": statistics.median(one_ratios),
+        "many_adapters_vs_base": statistics.median(many_ratios),
         "batch1_tpot_ratio": b1_lora["tpot_ms"]["mean"] / b1["tpot_ms"]["mean"],
     }
     for key, value in summary.items():
         print(f"{key}: {value:.3f}")
     if ns.output_json:
         record = {"machine": machine_info(), "versions": versions(), "summary": summary}
-        record["settings"] = {"num_adapters": ns.num_adapters, "rank": ns.rank, "model": ns.model}
+        record["settings"] = {"num_adapters": ns.num_adapters, "rank": ns.rank, "model": ns.model,
+                              "num_prompts": ns.num_prompts, "rounds": ns.rounds}  # fmt: skip
+        record["summary"]["ratios_per_round"] = {"one": one_ratios, "many": many_ratios}
         with open(ns.output_json, "w") as f:
             json.dump({**record, "runs": rows}, f, indent=1)
 

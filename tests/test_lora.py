@@ -195,8 +195,8 @@ def test_preemption_and_more_adapters_than_slots(tiny_llama, adapters, reference
 
 
 def test_long_segments_match_peft(tiny_llama, adapters, reference):
-    """Prefill steps whose segments are longer than LORA_GEMM_ROWS: cut into GEMM
-    pieces, the rest to the C++ kernel."""
+    """Prefill steps whose segments are longer than LORA_GEMM_ROWS: cut for oneDNN's
+    GEMMs, the rest to the C++ kernel."""
     from pagoda.ops.cpu import LORA_GEMM_ROWS
 
     llm = lora_llm(tiny_llama, max_num_batched_tokens=2048)
@@ -547,7 +547,7 @@ def test_lora_kernel_matches_the_twin(dtype, weight_dtype, widths, rank):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_add_lora_cuts_long_segments(dtype):
-    """The CPU op: pieces of LORA_GEMM_ROWS rows through oneDNN, the rest through
+    """The CPU op: multiples of LORA_GEMM_ROWS rows through oneDNN, the rest through
     lora_add, against the float32 twin."""
     from pagoda.lora.manager import LoRAMapping
     from pagoda.ops import cpu, torch_ops
@@ -561,8 +561,8 @@ def test_cpu_add_lora_cuts_long_segments(dtype):
     y = torch.randn(1300, 72, generator=g).to(dtype)
     segments = [(0, 1100, 1), (1100, 1150, 0), (1160, 1300, 2)]
     mapping = LoRAMapping(segments, torch.tensor(segments))
-    pieces, rest = mapping.split(cpu.LORA_GEMM_ROWS)
-    assert pieces == [(0, 512, 1), (512, 1024, 1)]
+    blocks, rest = mapping.split(cpu.LORA_GEMM_ROWS)
+    assert blocks == [(0, 1024, 1)]
     assert rest.tolist() == [[1024, 1100, 1], [1100, 1150, 0], [1160, 1300, 2]]
     exact = dataclasses.replace(lora, a=lora.a.float(), b=lora.b.float())
     want = torch_ops.add_lora(y.clone().float(), x.float(), exact, mapping)

@@ -62,20 +62,22 @@ class LoRAMapping:
     _splits: dict = field(default_factory=dict, repr=False)
 
     def split(self, rows: int) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
-        """(pieces of exactly `rows` tokens cut from the segments' starts; what is left
-        of each segment, as a tensor, or None), computed once per step for every linear
-        that asks. A decode step's segments (shorter than `rows`) are all left."""
+        """(from each segment's start, the most tokens that are a multiple of `rows`, as
+        ints; what is left of each segment, as a tensor, or None), computed once per
+        step for every linear that asks. A decode step's segments (shorter than
+        `rows`) are all left."""
         if rows not in self._splits:
-            pieces, rest = [], []
+            blocks, rest = [], []
             for start, end, slot in self.segments:
-                full = start + (end - start) // rows * rows
-                pieces += [(p, p + rows, slot) for p in range(start, full, rows)]
-                if full < end:
-                    rest.append((full, end, slot))
-            if not pieces:
+                cut = start + (end - start) // rows * rows
+                if cut > start:
+                    blocks.append((start, cut, slot))
+                if cut < end:
+                    rest.append((cut, end, slot))
+            if not blocks:
                 self._splits[rows] = [], self.segment_tensor
             else:
-                self._splits[rows] = pieces, torch.tensor(rest) if rest else None
+                self._splits[rows] = blocks, torch.tensor(rest) if rest else None
         return self._splits[rows]
 
 

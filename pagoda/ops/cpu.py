@@ -109,13 +109,13 @@ QUANT_LINEAR_MAX_ROWS = 16
 # 144 vs 140 at 512, 487 vs 215 at 2,048.
 INT8_SMALL_MAX_ROWS = 8
 W8A8_INT_MAX_ROWS = 256
-# Adapter segments go to oneDNN's GEMMs in pieces of exactly this many rows (one M, so
-# oneDNN keeps one kernel per shape, and the expand adds into y in place), and what is
-# left of each (every segment of a decode step) to the C++ lora_add. One step's LoRA
-# products, SmolLM2's 30 layers at rank 16 in bf16 (AMD EPYC, 2 threads,
-# benchmarks/kernels.py): lora_add 0.5 ms at one row where the GEMMs take 8, 3.6 at 64
-# rows (9.4), 13 at 256 (15); past that the GEMMs win (the calls cost about 60 us per
-# linear and piece, which is what lora_add saves at decode).
+# Of each adapter segment, the most rows that are a multiple of this go to oneDNN's GEMMs
+# (so they see at most max_num_batched_tokens / 512 distinct M, each of which oneDNN keeps
+# a kernel for, and the expand adds into y in place), and the rest (every segment of a
+# decode step) to the C++ lora_add. One step's LoRA products, SmolLM2's 30 layers at rank
+# 16 in bf16 (AMD EPYC, 2 threads, benchmarks/kernels.py): lora_add 0.5 ms at one row
+# where the GEMMs take 8, 3.6 at 64 rows (9.4), 13 at 256 (15); past that the GEMMs win
+# (their calls cost about 60 us per linear and segment, which lora_add saves at decode).
 LORA_GEMM_ROWS = 512
 # The C++ decode loop takes steps of up to this many rows (where float32 linears, which
 # go to F.linear at any size, set no lower limit).
@@ -205,9 +205,9 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
     if module.lora_add_available():
 
         def add_lora(y: torch.Tensor, x: torch.Tensor, lora, mapping) -> torch.Tensor:
-            pieces, rest = mapping.split(LORA_GEMM_ROWS)
-            if pieces:
-                torch_ops.add_lora_segments(y, x, lora, pieces)
+            blocks, rest = mapping.split(LORA_GEMM_ROWS)
+            if blocks:
+                torch_ops.add_lora_segments(y, x, lora, blocks)
             if rest is not None:
                 module.lora_add(y, x, lora.a, lora.b, lora.ranks, lora.offsets, rest)
             return y
