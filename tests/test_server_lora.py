@@ -16,6 +16,7 @@ from tests.test_server_utils import RemoteServer
 
 KEY = "lora-key"
 PROMPT = "The quick brown fox"
+LONG = 400  # tokens: still streaming when the adapter is unloaded
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -53,6 +54,11 @@ def expected(tiny_llama, adapters):
         out[name] = (
             llm.generate(PROMPT, params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
         )
+    long = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    lora = LoRARequest("qv4rs", 3, adapters["qv4rs"])
+    out["qv4rs long"] = (
+        llm.generate(PROMPT, long, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+    )
     return out
 
 
@@ -102,13 +108,14 @@ def test_load_use_and_unload_at_run_time(server, client, adapters, expected):
     assert complete(client, "c") == expected["qv4rs"]
     # A request in flight under an adapter that is unloaded finishes as it would have.
     stream = client.completions.create(
-        model="c", prompt=PROMPT, max_tokens=24, temperature=0, stream=True
-    )
+        model="c", prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
     chunks = iter(stream)
     first = next(chunks).choices[0].text
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "c"})
     assert r.status_code == 200, r.text
-    assert first + "".join(c.choices[0].text for c in chunks) == expected["qv4rs"]
+    assert first + "".join(c.choices[0].text for c in chunks) == expected["qv4rs long"]
     with pytest.raises(openai.NotFoundError):
         complete(client, "c")
     assert "c" not in [m.id for m in client.models.list().data]
@@ -153,6 +160,20 @@ def test_adapter_above_max_rank_is_refused(server, tmp_path, adapters):
     assert "max_lora_rank (16)" in r.json()["error"]["message"]
 
 
+def test_an_adapter_gone_from_disk_is_a_400_naming_model(server, client, adapters, tmp_path):
+    import shutil
+
+    path = shutil.copytree(adapters["all8"], str(tmp_path / "gone"))
+    r = post(server, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": path})
+    assert r.status_code == 200, r.text
+    shutil.rmtree(path)
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, "gone")
+    assert e.value.body["param"] == "model" and "no such folder" in e.value.body["message"]
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200
+    assert complete(client, "a")
+
+
 def test_unload_unknown_is_404_and_routes_need_the_key(server):
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "nope"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found"
@@ -163,7 +184,8 @@ def test_unload_unknown_is_404_and_routes_need_the_key(server):
 
 
 def test_metrics_count_requests_by_adapter(server, client):
-    complete(client, "b")
+    for model in ("tiny", "a", "b"):
+        complete(client, model)
     text = httpx.get(server.url + "/metrics").text
     lines = [line for line in text.splitlines() if line.startswith("pagoda:request_success_total")]
     by_lora = {}

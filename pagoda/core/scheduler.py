@@ -24,6 +24,10 @@ from pagoda.core.stats import LoRAStats, SchedulerStats, SpecDecodingStats
 from pagoda.core.structured_output import GrammarCompiler
 from pagoda.request import Request, RequestStatus
 
+# Steps a waiting request may be passed over for its adapter before requests for the
+# running adapters stop passing it (so that one of them drains and frees a slot).
+LORA_MAX_PASSED_OVER = 32
+
 
 class Scheduler:
     def __init__(
@@ -58,6 +62,8 @@ class Scheduler:
             else None
         )
         self.num_drafts_next: dict[str, int] = {}  # request id -> drafts to propose next
+        # With LoRA: steps in a row in which the queue's head waited for its adapter.
+        self.num_steps_head_passed_over = 0
 
     # ---- queues -------------------------------------------------------------
 
@@ -233,6 +239,9 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
+        if running_loras is not None:  # count the steps the head's adapter has waited
+            blocked = self.waiting and not self._lora_fits(self.waiting.peek(), running_loras)
+            self.num_steps_head_passed_over = self.num_steps_head_passed_over + 1 if blocked else 0
         copies, swap_out, swap_in = kv.take_block_ops()
         return SchedulerOutput(
             scheduled=scheduled,
@@ -379,25 +388,29 @@ class Scheduler:
             return None
         return {r.lora_int_id for r in self.running if r.lora_int_id}
 
+    def _lora_fits(self, request: Request, running_loras: set[int] | None) -> bool:
+        """Whether its adapter can run beside the running requests' (at most
+        `max_loras` adapters run at once, as they fit the model's slots)."""
+        lora_id = request.lora_int_id
+        return (
+            running_loras is None
+            or not lora_id
+            or lora_id in running_loras
+            or len(running_loras) < self.config.max_loras
+        )
+
     def _next_waiting(self, running_loras: set[int] | None) -> Request | None:
         """The next request to admit: the queue's head, or with LoRA the first one whose
-        adapter can run beside the running requests' (at most `max_loras` adapters run
-        at once, as they fit the model's slots). One that cannot is passed over and
-        keeps its place, so it does not hold up requests for resident adapters."""
-
-        def fits(request: Request) -> bool:
-            lora_id = request.lora_int_id
-            return (
-                running_loras is None
-                or not lora_id
-                or lora_id in running_loras
-                or len(running_loras) < self.config.max_loras
-            )
-
+        adapter fits. A head that does not fit is passed over and keeps its place, so
+        it does not hold up requests for resident adapters; once it has been passed
+        over for LORA_MAX_PASSED_OVER steps, only base-model requests pass it, so the
+        running adapters drain and its own gets a slot."""
         head = self.waiting.peek()
-        if fits(head):
+        if self._lora_fits(head, running_loras):
             return head
-        return next((r for r in self.waiting if fits(r)), None)
+        if self.num_steps_head_passed_over >= LORA_MAX_PASSED_OVER:
+            return next((r for r in self.waiting if not r.lora_int_id), None)
+        return next((r for r in self.waiting if self._lora_fits(r, running_loras)), None)
 
     def _at_fork_point(self, request: Request) -> bool:
         return request.num_computed_tokens == request.num_prompt_tokens - 1
@@ -420,7 +433,7 @@ class Scheduler:
         if not self.waiting or not self.running or len(self.running) > self.config.max_num_seqs:
             return []
         best = self.waiting.peek()
-        if best is not self._next_waiting(self._running_loras()):
+        if not self._lora_fits(best, self._running_loras()):
             return []  # its adapter cannot run yet: preempting for it would gain nothing
         kv = self.kv_cache_manager
         bs = kv.block_size

@@ -296,6 +296,14 @@ void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor
   }
   if (tiles.empty()) return;
   const int32_t* rk = ranks.data_ptr<int32_t>();
+  // The manager keeps these right; a bad call from elsewhere must not read past a slot.
+  for (int64_t i = 0; i < ranks.numel(); ++i)
+    TORCH_CHECK(0 <= rk[i] && rk[i] <= a.size(2), "lora_add: a rank outside [0, R]");
+  for (size_t i = 0; i < slice_offsets.size(); ++i)
+    TORCH_CHECK(slice_offsets[i] >= (i ? slice_offsets[i - 1] : 0) && slice_offsets[i] <= y.size(1),
+                "lora_add: slice offsets must rise within [0, N]");
+  for (int64_t g = 1; g < segments.size(0); ++g)
+    TORCH_CHECK(seg[3 * g] >= seg[3 * (g - 1) + 1], "lora_add: segments must not overlap");
   const bool xf = x.scalar_type() == at::kFloat, yf = y.scalar_type() == at::kFloat;
   TORCH_CHECK((xf || x.scalar_type() == at::kBFloat16) && (yf || y.scalar_type() == at::kBFloat16),
               "lora_add: x and y must be float32 or bfloat16");

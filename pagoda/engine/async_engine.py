@@ -40,7 +40,6 @@ from pagoda.core.stats import SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import EngineDeadError, RequestFailedError
-from pagoda.lora.adapter import LoRAAdapter
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics import EngineMetrics
 from pagoda.outputs import RequestOutput
@@ -95,10 +94,9 @@ class AbortAll:
 
 @dataclass
 class AddLoRA:
-    """Keep an adapter (read on the processor thread) in the engine's host cache."""
+    """Read a checked adapter into the engine's host cache; `done` resolves with it."""
 
     lora_request: LoRARequest
-    adapter: LoRAAdapter
     done: asyncio.Future
 
 
@@ -320,16 +318,7 @@ class AsyncEngine:
             for r in requests
         ]
         op = AddRequests(requests, streams, loop.create_future())
-        with self._cond:
-            # Again under the lock: the engine may have died or stopped since the check,
-            # and then nobody would ever answer this operation.
-            if self._error is not None:
-                raise EngineDeadError("the engine has stopped after an error.") from self._error
-            if self._stopping:
-                raise EngineNotAcceptingError("the server is shutting down.")
-            self._num_unseen_adds += len(requests)
-            self._ops.append(op)
-            self._cond.notify()
+        self._submit(op, num_adds=len(requests))
         try:
             await op.accepted
         except asyncio.CancelledError:
@@ -377,12 +366,13 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Check and read an adapter on the processor thread, then hand it to the engine
-        (`LLMEngine.add_lora`). Raises InvalidRequestError naming the file and field."""
+        """Check an adapter on the processor thread (no torch there), then have the
+        engine thread read it into its host cache (`LLMEngine.add_lora`). Raises
+        InvalidRequestError naming the file and field."""
         self.check_capacity(0)
-        adapter = await self.run_in_processor(self.engine.processor.load_lora, lora_request)
-        op = AddLoRA(lora_request, adapter, asyncio.get_running_loop().create_future())
-        self._push(op)
+        await self.run_in_processor(self.engine.processor.check_lora, lora_request)
+        op = AddLoRA(lora_request, asyncio.get_running_loop().create_future())
+        self._submit(op)
         await op.done
 
     def remove_lora(self, lora_int_id: int) -> None:
@@ -425,6 +415,19 @@ class AsyncEngine:
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine did not become idle in time.")
             await asyncio.sleep(0.01)
+
+    def _submit(self, op: AddRequests | AddLoRA, num_adds: int = 0) -> None:
+        """Queue an operation that the engine thread answers through a future."""
+        with self._cond:
+            # Under the lock: the engine may have died or stopped since the caller's
+            # check, and then nobody would ever answer this operation.
+            if self._error is not None:
+                raise EngineDeadError("the engine has stopped after an error.") from self._error
+            if self._stopping:
+                raise EngineNotAcceptingError("the server is shutting down.")
+            self._num_unseen_adds += num_adds
+            self._ops.append(op)
+            self._cond.notify()
 
     def _push(self, op: EngineOp) -> None:
         with self._cond:
@@ -519,7 +522,7 @@ class AsyncEngine:
         if isinstance(op, AddLoRA):
             error = None
             try:
-                self.engine.add_lora(op.lora_request, op.adapter)
+                self.engine.add_lora(op.lora_request)
             except Exception as e:
                 error = e
             sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, error))

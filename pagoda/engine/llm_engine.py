@@ -17,7 +17,6 @@ from pagoda.core.structured_output import GrammarCompiler
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor, PromptType
 from pagoda.errors import EngineDeadError, InvalidRequestError
-from pagoda.lora.adapter import LoRAAdapter
 from pagoda.lora.request import LoRARequest
 from pagoda.model_executor.model_loader import load_tokenizer
 from pagoda.outputs import RequestOutput
@@ -86,6 +85,7 @@ class LLMEngine:
         # Objects with record(IterationStats), called after each step and abort (metrics).
         self.stat_loggers: list = []
         self._num_failed_steps = 0  # consecutive steps where a request failed on its own
+        self._loras_to_remove: set[int] = set()  # removed while requests still used them
         logger.info(
             "pagoda engine: model %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens in flight, "
             "max_model_len %d",
@@ -132,6 +132,9 @@ class LLMEngine:
         for rid in (request_id, *(c.request_id for c in children)):
             if rid in self.output_processor or rid in self.scheduler.requests:
                 raise InvalidRequestError(f"request_id {rid!r} is already in use.", "request_id")
+        lora = children[0].lora_request
+        if lora is not None:
+            self.model_runner.lora_manager.check_identity(lora)
         self.output_processor.add_request(request_id, children, prompt_text)
         self.scheduler.add_request(children[0], fork_siblings=children[1:])
 
@@ -141,6 +144,8 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         child_ids = [cid for rid in ids for cid in self.output_processor.child_ids(rid)]
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        if self._loras_to_remove:
+            self._remove_unused_loras()
         outputs, stats = self.output_processor.abort_requests(ids, time.monotonic())
         self._record(stats)
         return outputs
@@ -169,6 +174,8 @@ class LLMEngine:
         )
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        if self._loras_to_remove:
+            self._remove_unused_loras()
         self._record(stats)
         return outputs + progressed
 
@@ -214,7 +221,13 @@ class LLMEngine:
         scheduled = {op.parent_id(s.request_id) for s in sched.scheduled}
         real_failures = [e for e in failures.values() if not isinstance(e, InvalidRequestError)]
         self._num_failed_steps = self._num_failed_steps + 1 if real_failures else 0
-        if failed == scheduled and (len(failed) > 1 or self._num_failed_steps >= _MAX_FAILED_STEPS):
+        # Requests that all failed by their own input (say, the same unreadable adapter)
+        # say nothing against the engine.
+        if (
+            failed == scheduled
+            and real_failures
+            and (len(failed) > 1 or self._num_failed_steps >= _MAX_FAILED_STEPS)
+        ):
             raise EngineDeadError(
                 f"every request of the step failed ({len(failed)}): {first_error!r}"
             ) from first_error
@@ -267,19 +280,30 @@ class LLMEngine:
         self._record(stats)
         return outputs
 
-    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
-        """Check an adapter and keep it in the host cache (vLLM's name), so that its first
-        request does not wait for the disk; `adapter`: its weights, already read by
-        `processor.load_lora`. Raises InvalidRequestError naming the file and field."""
-        if adapter is None or self.model_runner.lora_manager is None:
-            adapter = self.processor.load_lora(lora_request)
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check and read an adapter into the host cache (vLLM's name), so that its first
+        request does not wait for the disk. Raises InvalidRequestError naming the file
+        and field."""
+        adapter = self.processor.load_lora(lora_request)
         self.model_runner.lora_manager.add(lora_request, adapter)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Free an adapter's slot and host copy (vLLM's name). A running request that
-        still uses it reads it again from its folder. Returns whether it was held."""
+        """Free an adapter's slot and host copy (vLLM's name), once no unfinished
+        request uses it (until then it stays, so they finish as they began). Returns
+        whether it was held."""
         manager = self.model_runner.lora_manager
-        return manager is not None and manager.remove(lora_int_id)
+        if manager is None:
+            return False
+        if any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            self._loras_to_remove.add(lora_int_id)
+            return True
+        return manager.remove(lora_int_id)
+
+    def _remove_unused_loras(self) -> None:
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
+        for lora_int_id in self._loras_to_remove - in_use:
+            self.model_runner.lora_manager.remove(lora_int_id)
+        self._loras_to_remove &= in_use
 
     def list_loras(self) -> list[int]:
         """The ids of the adapters resident in slots, least recently used first."""

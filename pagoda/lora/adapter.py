@@ -86,11 +86,8 @@ class AdapterModule:
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """What `check_adapter` found, before any tensor is read."""
+    """The adapted modules of an adapter, found from its weights' names and shapes."""
 
-    path: str
-    weights_file: str
-    rank: int  # the largest of its modules'
     modules: dict[tuple[int, str], AdapterModule]  # (layer index, HF module) ->
 
 
@@ -99,12 +96,7 @@ class LoRAAdapter:
     """An adapter's weights in float32: per (layer index, HF module), A [r, in] and
     B [out, r] with the scaling multiplied in."""
 
-    rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
 def _fail(path: str, what: str, param: str) -> None:
@@ -172,31 +164,54 @@ def _weight_file(path: str, param: str) -> str:
     _fail(path, f"no weight file ({' or '.join(WEIGHT_FILES)})", param)
 
 
-def _weight_shapes(file: str, path: str, param: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, from the safetensors header (or by reading a .bin)."""
+def _read_state(file: str, path: str, param: str) -> dict[str, torch.Tensor]:
     try:
         if file.endswith(".safetensors"):
-            from safetensors import safe_open
+            from safetensors.torch import load_file
 
-            with safe_open(file, "pt") as f:
-                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-        state = torch.load(file, map_location="cpu", weights_only=True)
-        return {k: tuple(v.shape) for k, v in state.items()}
+            return load_file(file)
+        return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file
+        _fail(path, f"{os.path.basename(file)} cannot be read ({e})", param)
+
+
+def _header_shapes(file: str, path: str, param: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from a safetensors header (no tensor is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except Exception as e:
         _fail(path, f"{os.path.basename(file)} cannot be read ({e})", param)
 
 
 def check_adapter(
     path: str, hf_config: dict[str, Any], max_rank: int, param: str = "lora_request"
-) -> AdapterSpec:
+) -> AdapterSpec | None:
     """Check an adapter folder against the model and `max_rank` without reading its
-    tensors (its config and its weight file's header). Raises InvalidRequestError,
-    with `param`, naming the file and the field or weight at fault."""
+    tensors: its config and, for safetensors, its weights' names and shapes from the
+    header (an `adapter_model.bin` is checked when it is read). Raises
+    InvalidRequestError, with `param`, naming the file and the field or weight at
+    fault. Returns what it found (None for a .bin)."""
     config = _read_config(path, param)
     _check_config(path, config, max_rank, param)
     file = _weight_file(path, param)
+    if not file.endswith(".safetensors"):
+        return None
+    return _spec(path, config, file, _header_shapes(file, path, param), hf_config, param)
+
+
+def _spec(
+    path: str,
+    config: dict[str, Any],
+    file: str,
+    shapes: dict[str, tuple[int, ...]],
+    hf_config: dict[str, Any],
+    param: str,
+) -> AdapterSpec:
+    """The adapted modules, from the weights' names and shapes."""
     fname = os.path.basename(file)
-    shapes = _weight_shapes(file, path, param)
     expected = module_shapes(hf_config)
     num_layers = hf_config["num_hidden_layers"]
     keys: dict[tuple[int, str], dict[str, str]] = {}
@@ -240,24 +255,20 @@ def check_adapter(
         module_alpha = _pattern_value(config.get("alpha_pattern") or {}, module_key, alpha)
         scaling = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         modules[(layer, module)] = AdapterModule(ab["A"], ab["B"], rank, float(scaling))
-    return AdapterSpec(path, file, max(m.rank for m in modules.values()), modules)
+    return AdapterSpec(modules)
 
 
 def load_adapter(
     path: str, hf_config: dict[str, Any], max_rank: int, param: str = "lora_request"
 ) -> LoRAAdapter:
-    """Check an adapter (`check_adapter`) and read its weights into float32, the
-    scaling multiplied into B."""
-    spec = check_adapter(path, hf_config, max_rank, param)
-    try:
-        if spec.weights_file.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            state = load_file(spec.weights_file)
-        else:
-            state = torch.load(spec.weights_file, map_location="cpu", weights_only=True)
-    except Exception as e:
-        _fail(path, f"{os.path.basename(spec.weights_file)} cannot be read ({e})", param)
+    """Check an adapter as `check_adapter` does and read its weights in float32, the
+    scaling multiplied into B (and every weight finite)."""
+    config = _read_config(path, param)
+    _check_config(path, config, max_rank, param)
+    file = _weight_file(path, param)
+    state = _read_state(file, path, param)
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    spec = _spec(path, config, file, shapes, hf_config, param)
     weights = {}
     for where, m in spec.modules.items():
         a = state[m.a_key].to(torch.float32).contiguous()
@@ -265,4 +276,4 @@ def load_adapter(
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             _fail(path, f"weights of layer {where[0]} {where[1]} are not all finite", param)
         weights[where] = (a, b)
-    return LoRAAdapter(spec.rank, weights)
+    return LoRAAdapter(weights)

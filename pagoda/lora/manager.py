@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pagoda.config import LoRAConfig
+from pagoda.errors import InvalidRequestError
 from pagoda.lora.adapter import LoRAAdapter, load_adapter, module_shapes
 from pagoda.lora.request import LoRARequest
 
@@ -64,8 +65,8 @@ class LoRAMapping:
     def split(self, rows: int) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
         """(from each segment's start, the most tokens that are a multiple of `rows`, as
         ints; what is left of each segment, as a tensor, or None), computed once per
-        step for every linear that asks. A decode step's segments (shorter than
-        `rows`) are all left."""
+        step for every linear that asks. A decode step's segments, as a rule shorter
+        than `rows`, are all left."""
         if rows not in self._splits:
             blocks, rest = [], []
             for start, end, slot in self.segments:
@@ -167,6 +168,7 @@ class LoRAManager:
         else:  # evict the least recently used adapter this step does not need
             victim = next(i for i in self.slot_lru if i not in needed)
             slot = self.slot_lru.pop(victim)
+            self.slot_ids[slot] = None  # free until written (a failed write leaves it so)
         self._write_slot(slot, adapter)
         self.slot_ids[slot] = adapter_id
         self.slot_lru[adapter_id] = slot
@@ -200,6 +202,21 @@ class LoRAManager:
                 lora.ranks[slot, i] = r
 
     # ---- adapters ------------------------------------------------------------------
+
+    def check_identity(self, request: LoRARequest) -> None:
+        """An id names one adapter: refuse a request whose id the host cache holds for
+        another name or folder (it would run, and share KV, as that one)."""
+        cached = self.host_cache.get(request.lora_int_id)
+        if cached is not None and (cached[0].lora_name, cached[0].lora_path) != (
+            request.lora_name,
+            request.lora_path,
+        ):
+            raise InvalidRequestError(
+                f"lora_request.lora_int_id {request.lora_int_id} is adapter "
+                f"{cached[0].lora_name!r} at {cached[0].lora_path}; another adapter needs "
+                "another id.",
+                "lora_request",
+            )
 
     def add(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
         """Keep an adapter read elsewhere in the host cache (evicting the least recently

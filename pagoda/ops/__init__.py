@@ -11,7 +11,8 @@
     add_rms_norm      x + residual, then norm       one pass, in place
     rotary_embedding  rotate-half                   one pass, in place
     decode_attention  gather + SDPA                 reads K/V in place via the block table
-    add_lora          per segment: x @ A, @ B       one pass per segment and slice, float32
+    add_lora          per segment: x @ A, @ B       short segments: shrink and expand in one
+                                                    call (AVX512-BF16 or float32); long: oneDNN
 
 `select_ops(kernel_backend, dtype)` builds the `Ops` a model is constructed
 with; layers call `self.ops.<primitive>` and never ask which CPU they run on.

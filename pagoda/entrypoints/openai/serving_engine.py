@@ -396,8 +396,8 @@ class OpenAIServing:
 
         try:
             processed = await self.engine.run_in_processor(process_all)
-        except InvalidRequestError as e:
-            raise from_invalid(e, renames) from e
+        except InvalidRequestError as e:  # an adapter's problem is the `model` it names
+            raise from_invalid(e, {"lora_request": "model", **(renames or {})}) from e
         return await self.engine.add_processed(processed)
 
     def abort_unfinished(self, streams: list[RequestStream]) -> None:

@@ -6,8 +6,8 @@ adapter (404 for neither). Adapters come from `--lora-modules` at startup and
 from `POST /v1/load_lora_adapter` at run time, and go with
 `POST /v1/unload_lora_adapter`. Each load gets an id never used before, so an
 adapter loaded again under an old name never meets the old one's cached KV.
-Unloading changes nothing for requests in flight: each holds its own
-`LoRARequest`, and the engine reads the adapter again if it needs it.
+Unloading changes nothing for requests in flight: the engine frees the
+adapter once none uses it.
 
 The registry is read and written on the event loop only.
 """
@@ -105,11 +105,14 @@ class ServingModels:
         """Check and read the adapter (on the processor thread), hand it to the engine,
         and serve it under `module.name`. 400 for a name already served or a malformed
         adapter, 404 for a path that does not exist."""
-        for param, value in (("lora_name", module.name), ("lora_path", module.path)):
+        for param, value, max_chars in (
+            ("lora_name", module.name, 256),
+            ("lora_path", module.path, 4096),
+        ):
             if not isinstance(value, str) or not value:
                 raise APIError(400, f"{param} must be a non-empty string.", param=param)
             try:
-                check_text(value, param, 4096)
+                check_text(value, param, max_chars)
             except InvalidRequestError as e:
                 raise from_invalid(e) from e
         if module.name in self.served_names:
