@@ -112,7 +112,6 @@ class LoRAManager:
             )
             linear.lora = lora
             self.linears.append(lora)
-        self.slot_ids: list[int | None] = [None] * num_slots  # adapter id in each slot
         self.slot_lru: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.host_cache: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
         self.num_loads = 0  # adapters read from disk (for tests and logs)
@@ -139,10 +138,10 @@ class LoRAManager:
         needed = {r.lora_int_id for r in lora_requests if r is not None}
         if not needed:
             return None
-        if len(needed) > len(self.slot_ids):
+        if len(needed) > self.config.max_loras:
             raise RuntimeError(
                 f"a step needs {len(needed)} adapters, more than max_loras "
-                f"({len(self.slot_ids)}): the scheduler should have kept them within it"
+                f"({self.config.max_loras}): the scheduler should have kept them within it"
             )
         segments: list[tuple[int, int, int]] = []
         start = 0
@@ -163,14 +162,14 @@ class LoRAManager:
             self.slot_lru.move_to_end(adapter_id)
             return slot
         adapter = self._host_adapter(request)
-        if None in self.slot_ids:
-            slot = self.slot_ids.index(None)
-        else:  # evict the least recently used adapter this step does not need
+        free = set(range(self.config.max_loras)) - set(self.slot_lru.values())
+        if free:
+            slot = min(free)
+        else:  # evict the least recently used adapter this step does not need (its slot
+            # stays free if the write fails)
             victim = next(i for i in self.slot_lru if i not in needed)
             slot = self.slot_lru.pop(victim)
-            self.slot_ids[slot] = None  # free until written (a failed write leaves it so)
         self._write_slot(slot, adapter)
-        self.slot_ids[slot] = adapter_id
         self.slot_lru[adapter_id] = slot
         return slot
 
@@ -227,14 +226,10 @@ class LoRAManager:
         self.host_cache[request.lora_int_id] = (request, adapter)
 
     def remove(self, adapter_id: int) -> bool:
-        """Drop an adapter from its slot and the host cache (a request still using it
-        reads it again from disk). Returns whether it was held."""
+        """Drop an adapter from its slot and the host cache (the engine calls this once
+        no request uses it). Returns whether it was held."""
         held = self.host_cache.pop(adapter_id, None) is not None
-        slot = self.slot_lru.pop(adapter_id, None)
-        if slot is not None:
-            self.slot_ids[slot] = None
-            held = True
-        return held
+        return self.slot_lru.pop(adapter_id, None) is not None or held
 
     def resident_ids(self) -> list[int]:
         """Adapters in slots, least recently used first."""
