@@ -38,6 +38,11 @@ class ScheduledRequest:
     lora_request: LoRARequest | None = None  # the adapter it runs under
 
     @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model (as `Request.lora_int_id`)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
 

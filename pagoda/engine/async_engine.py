@@ -94,7 +94,8 @@ class AbortAll:
 
 @dataclass
 class AddLoRA:
-    """Read a checked adapter into the engine's host cache; `done` resolves with it."""
+    """Read a checked adapter into the engine's host cache; `done` resolves when it is
+    there (or with the error that kept it out)."""
 
     lora_request: LoRARequest
     done: asyncio.Future

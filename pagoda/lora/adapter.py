@@ -76,19 +76,11 @@ def module_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 @dataclass(frozen=True)
 class AdapterModule:
-    """One adapted module: its weights' keys in the file, its rank and its scaling."""
+    """One adapted module: its weights' keys in the file and its scaling."""
 
     a_key: str
     b_key: str
-    rank: int
     scaling: float
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    """The adapted modules of an adapter, found from its weights' names and shapes."""
-
-    modules: dict[tuple[int, str], AdapterModule]  # (layer index, HF module) ->
 
 
 @dataclass
@@ -186,31 +178,36 @@ def _header_shapes(file: str, path: str, param: str) -> dict[str, tuple[int, ...
         _fail(path, f"{os.path.basename(file)} cannot be read ({e})", param)
 
 
+def _checked_config(path: str, max_rank: int, param: str) -> tuple[dict[str, Any], str]:
+    """(the adapter's config, checked; its weight file)."""
+    config = _read_config(path, param)
+    _check_config(path, config, max_rank, param)
+    return config, _weight_file(path, param)
+
+
 def check_adapter(
     path: str, hf_config: dict[str, Any], max_rank: int, param: str = "lora_request"
-) -> AdapterSpec | None:
+) -> None:
     """Check an adapter folder against the model and `max_rank` without reading its
     tensors: its config and, for safetensors, its weights' names and shapes from the
     header (an `adapter_model.bin` is checked when it is read). Raises
     InvalidRequestError, with `param`, naming the file and the field or weight at
-    fault. Returns what it found (None for a .bin)."""
-    config = _read_config(path, param)
-    _check_config(path, config, max_rank, param)
-    file = _weight_file(path, param)
-    if not file.endswith(".safetensors"):
-        return None
-    return _spec(path, config, file, _header_shapes(file, path, param), hf_config, param)
+    fault."""
+    config, file = _checked_config(path, max_rank, param)
+    if file.endswith(".safetensors"):
+        _modules(path, config, file, _header_shapes(file, path, param), hf_config, param)
 
 
-def _spec(
+def _modules(
     path: str,
     config: dict[str, Any],
     file: str,
     shapes: dict[str, tuple[int, ...]],
     hf_config: dict[str, Any],
     param: str,
-) -> AdapterSpec:
-    """The adapted modules, from the weights' names and shapes."""
+) -> dict[tuple[int, str], AdapterModule]:
+    """(layer index, HF module) -> what is adapted there, from the weights' names and
+    shapes."""
     fname = os.path.basename(file)
     expected = module_shapes(hf_config)
     num_layers = hf_config["num_hidden_layers"]
@@ -254,8 +251,8 @@ def _spec(
                 )
         module_alpha = _pattern_value(config.get("alpha_pattern") or {}, module_key, alpha)
         scaling = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        modules[(layer, module)] = AdapterModule(ab["A"], ab["B"], rank, float(scaling))
-    return AdapterSpec(modules)
+        modules[(layer, module)] = AdapterModule(ab["A"], ab["B"], float(scaling))
+    return modules
 
 
 def load_adapter(
@@ -263,14 +260,11 @@ def load_adapter(
 ) -> LoRAAdapter:
     """Check an adapter as `check_adapter` does and read its weights in float32, the
     scaling multiplied into B (and every weight finite)."""
-    config = _read_config(path, param)
-    _check_config(path, config, max_rank, param)
-    file = _weight_file(path, param)
+    config, file = _checked_config(path, max_rank, param)
     state = _read_state(file, path, param)
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    spec = _spec(path, config, file, shapes, hf_config, param)
     weights = {}
-    for where, m in spec.modules.items():
+    for where, m in _modules(path, config, file, shapes, hf_config, param).items():
         a = state[m.a_key].to(torch.float32).contiguous()
         b = (state[m.b_key].to(torch.float32) * m.scaling).contiguous()
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):

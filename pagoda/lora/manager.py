@@ -47,10 +47,6 @@ class LinearLoRA:
     widths: list[int]  # each slice's output columns
     modules: tuple[tuple[int, str], ...]  # (layer index, HF module) per slice
 
-    @property
-    def rank(self) -> int:
-        return self.b.shape[1]
-
 
 @dataclass
 class LoRAMapping:

@@ -124,7 +124,7 @@ class ModelRunner:
         # Decodes (one query token, or one and its drafts) first: attention batches
         # them in one call. Within each, requests of one adapter side by side: its
         # tokens form one segment of the LoRA products.
-        reqs = sorted(sched.scheduled, key=lambda r: (not _is_decode(r), _lora_id(r)))
+        reqs = sorted(sched.scheduled, key=lambda r: (not _is_decode(r), r.lora_int_id))
         if not reqs:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
@@ -238,10 +238,6 @@ class ModelRunner:
             ],
         )
         return input_ids, positions, meta, cu_q
-
-
-def _lora_id(r: ScheduledRequest) -> int:
-    return r.lora_request.lora_int_id if r.lora_request is not None else 0
 
 
 def _is_decode(r: ScheduledRequest) -> bool:

@@ -439,8 +439,7 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
     )
     server.config.app = build_app(
         engine,
-        names,
-        ns.api_key or envs.api_key(),
+        api_key=ns.api_key or envs.api_key(),
         max_request_body_bytes=ns.max_request_body_bytes,
         models=models,
     )

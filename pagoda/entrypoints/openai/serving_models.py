@@ -97,13 +97,13 @@ class ServingModels:
             id=name,
             created=now(),
             root=lora.lora_path if lora is not None else self.engine.model_config.path,
-            parent=(lora.base_model_name or self.base_model_names[0]) if lora is not None else None,
+            parent=lora.base_model_name if lora is not None else None,
             max_model_len=self.engine.max_model_len,
         )
 
     async def load_lora_adapter(self, module: LoRAModulePath) -> LoRARequest:
-        """Check and read the adapter (on the processor thread), hand it to the engine,
-        and serve it under `module.name`. 400 for a name already served or a malformed
+        """Check the adapter (on the processor thread), have the engine read it (on its
+        own thread), and serve it under `module.name`. 400 for a name already served or a malformed
         adapter, 404 for a path that does not exist."""
         for param, value, max_chars in (
             ("lora_name", module.name, 256),
