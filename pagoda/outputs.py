@@ -46,6 +46,7 @@ class RequestMetrics:
     """A request's timeline (time.monotonic() seconds); kept by the output processor."""
 
     arrival_time: float
+    queued_time: float | None = None  # when the engine took it (after its checks)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -67,6 +67,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache held at first admission
         self.first_scheduled_time: float | None = None  # stamped by the scheduler
         self.grammar: RequestGrammar | None = None  # structured outputs; set by the scheduler
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)

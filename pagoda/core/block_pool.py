@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+# A block's state in `block_map()`.
+FREE, CACHED, USED, SHARED = "0", "1", "2", "3"
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -36,6 +39,15 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
+
+    def block_map(self) -> str:
+        """Each block's state as one character: FREE, CACHED (free but findable by
+        its hash, evicted last), USED (one reference) or SHARED (more than one)."""
+        hashes = self.block_hashes
+        return "".join(
+            (SHARED if r > 1 else USED) if r else (FREE if hashes[b] is None else CACHED)
+            for b, r in enumerate(self.ref_cnts)
+        )
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` from the front of the free queue, each with ref count 1.

@@ -106,3 +106,5 @@ class EngineCoreOutput:
     # (start position, per position {token id: (logprob, rank)})
     prompt_logprobs: tuple[int, list[dict[int, tuple[float, int]]]] | None = None
     scheduled_time: float | None = None  # set on the step that first scheduled the request
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0  # times the request was preempted so far

@@ -7,6 +7,7 @@ prefix-cache hit and a decode token are the same arithmetic.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 
@@ -20,7 +21,12 @@ from pagoda.core.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from pagoda.core.stats import LoRAStats, SchedulerStats, SpecDecodingStats
+from pagoda.core.stats import (
+    LoRAStats,
+    RequestProgress,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from pagoda.core.structured_output import GrammarCompiler
 from pagoda.request import Request, RequestStatus
 
@@ -225,6 +231,7 @@ class Scheduler:
                 running_loras.add(request.lora_int_id)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
+                request.num_cached_tokens = request.num_computed_tokens
                 request.first_scheduled_time = time.monotonic()
                 self.newly_scheduled[request.request_id] = request.first_scheduled_time
             self.running.append(request)
@@ -304,6 +311,7 @@ class Scheduler:
                             [],
                             prompt_logprobs=this_prompt_logprobs,
                             scheduled_time=scheduled_time,
+                            num_cached_tokens=request.num_cached_tokens,
                         )
                     )
                 continue
@@ -337,6 +345,8 @@ class Scheduler:
                     logprobs=token_logprobs[: len(token_ids)] if token_logprobs else None,
                     prompt_logprobs=this_prompt_logprobs,
                     scheduled_time=scheduled_time,
+                    num_cached_tokens=request.num_cached_tokens,
+                    num_preemptions=request.num_preemptions,
                 )
             )
         self.newly_scheduled.clear()  # a request that failed this step reports nothing
@@ -563,6 +573,36 @@ class Scheduler:
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
             lora=self._lora_stats(),
         )
+
+    def progress(self, limit: int) -> list[RequestProgress]:
+        """At most `limit` sequences: running ones first, then the waiting queue in
+        order, then those waiting elsewhere (for a grammar, or to fork)."""
+        kv = self.kv_cache_manager
+        shown: dict[str, Request] = {}
+        for r in itertools.chain(self.running, self.waiting, self.requests.values()):
+            if len(shown) >= limit:
+                break
+            shown.setdefault(r.request_id, r)
+        out = []
+        for r in shown.values():
+            state = r.status.name.lower()
+            if r.status == RequestStatus.PREEMPTED and kv.is_swapped(r):
+                state = "swapped"
+            out.append(
+                RequestProgress(
+                    r.request_id,
+                    state,
+                    r.priority,
+                    r.num_prompt_tokens,
+                    r.num_computed_tokens,
+                    r.num_output_tokens,
+                    r.sampling_params.max_tokens,
+                    kv.num_blocks_of(r.request_id),
+                    r.lora_request.lora_name if r.lora_request is not None else "",
+                    r.arrival_time,
+                )
+            )
+        return out
 
     def _lora_stats(self) -> LoRAStats | None:
         if self.config.max_loras is None:

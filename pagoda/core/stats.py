@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.outputs import RequestMetrics
+
 
 @dataclass(frozen=True)
 class KVCacheStats:
@@ -123,6 +125,34 @@ class SchedulerStats:
 
 
 @dataclass(frozen=True)
+class RequestProgress:
+    """Where one sequence stands, for the dashboard."""
+
+    request_id: str
+    state: str  # "running" | "waiting" | "preempted" | "swapped"
+    priority: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+    max_tokens: int | None
+    num_blocks: int  # device blocks it holds
+    lora_name: str  # "" for the base model
+    arrival_time: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine between two steps: its stats, every KV block's state (one character
+    each, see `BlockPool.block_map`) and its requests, running first (in the order
+    they would be preempted last to first), then waiting in the order they would run."""
+
+    stats: SchedulerStats
+    block_map: str
+    requests: list[RequestProgress]
+    num_requests: int  # all unfinished sequences; `requests` may hold fewer
+
+
+@dataclass(frozen=True)
 class FinishedRequestStats:
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
@@ -131,6 +161,10 @@ class FinishedRequestStats:
     # Mean seconds per output token after the first, when there were at least two.
     time_per_output_token: float | None
     lora_name: str = ""  # the adapter it ran under ("" for the base model)
+    request_id: str = ""
+    timeline: RequestMetrics | None = None  # arrival, first scheduled, first token, finished
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0  # over all its completions
 
 
 @dataclass

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs
-from pagoda.core.stats import SchedulerStats
+from pagoda.core.stats import EngineSnapshot, SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import EngineDeadError, RequestFailedError
@@ -108,7 +108,15 @@ class RemoveLoRA:
     lora_int_id: int
 
 
-EngineOp = AddRequests | AbortRequests | AbortAll | AddLoRA | RemoveLoRA
+@dataclass
+class TakeSnapshot:
+    """The engine's state between two steps (`LLMEngine.snapshot`), for the dashboard;
+    `done` resolves with it and with the seconds the engine thread spent on it."""
+
+    done: asyncio.Future
+
+
+EngineOp = AddRequests | AbortRequests | AbortAll | AddLoRA | RemoveLoRA | TakeSnapshot
 
 
 class RequestStream:
@@ -250,6 +258,11 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
+    @property
+    def accepting(self) -> bool:
+        """False once the engine stopped or is stopping: new requests are refused."""
+        return self._accepting and self.is_running
+
     def get_stats(self) -> SchedulerStats:
         """The engine's stats as of its last step (see `LLMEngine.get_stats`)."""
         with self._cond:
@@ -376,6 +389,13 @@ class AsyncEngine:
         self._submit(op)
         await op.done
 
+    async def snapshot(self) -> tuple[EngineSnapshot, float]:
+        """The engine's state between its next two steps, and the seconds taking it
+        cost the engine thread."""
+        op = TakeSnapshot(asyncio.get_running_loop().create_future())
+        self._submit(op)
+        return await op.done
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Free an adapter's memory in the engine (thread-safe, returns at once)."""
         self._push(RemoveLoRA(lora_int_id))
@@ -417,7 +437,7 @@ class AsyncEngine:
                 raise TimeoutError("the engine did not become idle in time.")
             await asyncio.sleep(0.01)
 
-    def _submit(self, op: AddRequests | AddLoRA, num_adds: int = 0) -> None:
+    def _submit(self, op: AddRequests | AddLoRA | TakeSnapshot, num_adds: int = 0) -> None:
         """Queue an operation that the engine thread answers through a future."""
         with self._cond:
             # Under the lock: the engine may have died or stopped since the caller's
@@ -531,6 +551,11 @@ class AsyncEngine:
         if isinstance(op, RemoveLoRA):
             self.engine.remove_lora(op.lora_int_id)
             return 0
+        if isinstance(op, TakeSnapshot):
+            start = time.perf_counter()
+            result = (self.engine.snapshot(), time.perf_counter() - start)
+            sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, result))
+            return 0
         ids = list(self._streams) if isinstance(op, AbortAll) else op.request_ids
         for output in self.engine.abort_request(ids):
             self._send_output(output, sends)
@@ -551,7 +576,7 @@ class AsyncEngine:
         for op in ops:
             if isinstance(op, AddRequests):
                 sends.setdefault(op.accepted.get_loop(), []).append((_resolve, op.accepted, error))
-            elif isinstance(op, AddLoRA):
+            elif isinstance(op, AddLoRA | TakeSnapshot):
                 sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, error))
         for stream in self._streams.values():
             sends.setdefault(stream.loop, []).append((RequestStream._put, stream, error))
@@ -559,13 +584,14 @@ class AsyncEngine:
         _post(sends)
 
 
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future, outcome: Any) -> None:
+    """An exception fails the future; anything else is its result."""
     if future.done():  # the caller gave up (and aborted)
         return
-    if error is None:
-        future.set_result(None)
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
     else:
-        future.set_exception(error)
+        future.set_result(outcome)
 
 
 def _post(sends: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any, Any]]]) -> None:

@@ -12,7 +12,7 @@ from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
-from pagoda.core.stats import IterationStats, SchedulerStats
+from pagoda.core.stats import EngineSnapshot, IterationStats, SchedulerStats
 from pagoda.core.structured_output import GrammarCompiler
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor, PromptType
@@ -143,10 +143,12 @@ class LLMEngine:
         their final outputs (finish_reason "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         child_ids = [cid for rid in ids for cid in self.output_processor.child_ids(rid)]
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        aborted = self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         if self._loras_to_remove:
             self._remove_unused_loras()
-        outputs, stats = self.output_processor.abort_requests(ids, time.monotonic())
+        outputs, stats = self.output_processor.abort_requests(
+            ids, time.monotonic(), {r.request_id: r.num_preemptions for r in aborted}
+        )
         self._record(stats)
         return outputs
 
@@ -329,6 +331,17 @@ class LLMEngine:
             lora = replace(stats.lora, num_resident=len(manager.resident_ids()))
             stats = replace(stats, lora=lora)
         return stats
+
+    def snapshot(self, max_requests: int = 256) -> EngineSnapshot:
+        """The stats, the KV block map and (at most `max_requests` of) the requests'
+        progress, for the dashboard. Costs about 1 ms per 20,000 blocks."""
+        scheduler = self.scheduler
+        return EngineSnapshot(
+            self.get_stats(),
+            scheduler.kv_cache_manager.block_pool.block_map(),
+            scheduler.progress(max_requests),
+            len(scheduler.requests),
+        )
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 from pagoda.core.sched_output import EngineCoreOutput
@@ -42,6 +43,7 @@ class CompletionState:
     keeps_totals: bool  # CUMULATIVE or FINAL_ONLY
     wants_logprobs: bool
     num_tokens: int = 0
+    num_preemptions: int = 0  # the scheduler's count for this completion
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -101,6 +103,7 @@ class RequestState:
     error: str | None = None
     error_is_client: bool = False
     lora_request: LoRARequest | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was admitted
 
     @property
     def finished(self) -> bool:
@@ -159,6 +162,10 @@ class RequestState:
             e2e_latency=m.finished_time - m.arrival_time,
             time_per_output_token=tpot,
             lora_name=self.lora_request.lora_name if self.lora_request is not None else "",
+            request_id=self.request_id,
+            timeline=dataclasses.replace(m),
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=sum(c.num_preemptions for c in self.completions),
         )
 
 
@@ -204,7 +211,7 @@ class OutputProcessor:
             first.prompt_token_ids,
             p.output_kind,
             completions,
-            RequestMetrics(arrival_time=first.arrival_time),
+            RequestMetrics(arrival_time=first.arrival_time, queued_time=time.monotonic()),
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
             lora_request=first.lora_request,
         )
@@ -254,6 +261,8 @@ class OutputProcessor:
         if out.scheduled_time is not None and m.first_scheduled_time is None:
             m.first_scheduled_time = out.scheduled_time
             stats.queue_times.append(out.scheduled_time - m.arrival_time)
+            state.num_cached_tokens = out.num_cached_tokens
+        c.num_preemptions = max(c.num_preemptions, out.num_preemptions)
         if out.prompt_logprobs is not None:
             self._add_prompt_logprobs(state, *out.prompt_logprobs)
         if not out.new_token_ids:
@@ -317,10 +326,16 @@ class OutputProcessor:
         return outputs
 
     def abort_requests(
-        self, request_ids: list[str], now: float
+        self, request_ids: list[str], now: float, num_preemptions: dict[str, int] | None = None
     ) -> tuple[list[RequestOutput], IterationStats]:
         """End the given requests (unknown ids are ignored); their unfinished completions
-        get finish_reason "abort". The caller frees their children in the scheduler."""
+        get finish_reason "abort". The caller frees their children in the scheduler;
+        `num_preemptions` (child id -> count) brings the scheduler's last counts."""
+        for child_id, count in (num_preemptions or {}).items():
+            parent = self.child_to_parent.get(child_id)
+            if parent is not None:
+                c = self.states[parent[0]].completions[parent[1]]
+                c.num_preemptions = max(c.num_preemptions, count)
         return self._end(request_ids, now, lambda state: None)
 
     def fail_requests(

@@ -121,6 +121,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="LoRA adapters to serve (with --enable-lora), each as NAME=PATH or a JSON "
         'object {"name", "path", "base_model_name"}; a request\'s model picks one',
     )
+    parser.add_argument(
+        "--request-log",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per finished request (its timeline, token counts, "
+        "cache hits, preemptions) to PATH, or - for stderr",
+    )
+    parser.add_argument(
+        "--dashboard-interval",
+        type=float,
+        default=0.5,
+        help="seconds between the /dashboard's samples of the engine (default: 0.5)",
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
 
 

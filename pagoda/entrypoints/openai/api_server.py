@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`, run by uvicorn.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.
+GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics,
+GET /dashboard (the live dashboard) and GET /dashboard/events (its feed).
 
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
 400 for bad input (malformed JSON, unknown or mistyped fields, values the
 engine's front door refuses, a prompt too long), 401 without the API key on
-/v1, 404 for an unknown model or route, 413 for a body over
+/v1 and /dashboard, 404 for an unknown model or route, 413 for a body over
 `max_request_body_bytes`, 503 (with Retry-After) when the queue is full or the
 server is stopping. A client that goes away aborts its requests. A request that
 fails while running fails alone (400 if its input was the cause, else 500; in a
@@ -34,11 +35,19 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__, envs
 from pagoda.engine.async_engine import AsyncEngine, EngineNotAcceptingError, QueueFullError
+from pagoda.entrypoints.openai.dashboard import DEFAULT_INTERVAL as DASHBOARD_INTERVAL
+from pagoda.entrypoints.openai.dashboard import DashboardFeed, dashboard_html
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,6 +66,7 @@ from pagoda.entrypoints.openai.serving_engine import APIError, bad_request, from
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.metrics import CONTENT_TYPE
+from pagoda.request_log import RequestLogger
 
 logger = logging.getLogger(__name__)
 
@@ -84,23 +94,38 @@ class SSEResponse(StreamingResponse):
             self.on_close()
 
 
+DASHBOARD_COOKIE = "pagoda_api_key"
+
+
 class APIKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>`; the rest stay open."""
+    """Every /v1 and /dashboard route needs `Authorization: Bearer <key>`; a browser
+    opening the dashboard gives the key once as `?api_key=` (the page then keeps it
+    in a cookie for its event stream). The rest stay open."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key.encode()
+        self.expected = b"Bearer " + self.api_key
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        if secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return True
+        if not scope["path"].startswith("/dashboard"):
+            return False
+        request = Request(scope)
+        given = request.query_params.get("api_key") or request.cookies.get(DASHBOARD_COOKIE)
+        return given is not None and secrets.compare_digest(given.encode(), self.api_key)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(auth, self.expected):
-                response = _error(
-                    401, "Incorrect or missing API key.", "invalid_request_error",
-                    code="invalid_api_key",
-                )  # fmt: skip
-                await response(scope, receive, send)
-                return
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith(("/v1", "/dashboard")) and not self._authorized(scope):
+            response = _error(
+                401, "Incorrect or missing API key.", "invalid_request_error",
+                code="invalid_api_key",
+            )  # fmt: skip
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -231,10 +256,12 @@ def build_app(
     owns_engine: bool = True,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     models: ServingModels | None = None,
+    dashboard_interval: float = DASHBOARD_INTERVAL,
 ) -> FastAPI:
     """The FastAPI app for `engine`. With `owns_engine`, the app's shutdown stops it.
     `models`: the served names with their LoRA adapters (default: the base model's
-    `served_model_names` alone)."""
+    `served_model_names` alone). `dashboard_interval`: seconds between the
+    dashboard's samples of the engine."""
     if models is None:
         models = ServingModels(engine, list(served_model_names or [engine.model_name]))
     completion = OpenAIServingCompletion(engine, models)
@@ -268,6 +295,27 @@ def build_app(
     @app.get("/metrics")
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    feed = DashboardFeed(engine, dashboard_interval)
+
+    @app.get("/dashboard")
+    async def dashboard(raw_request: Request):
+        response = HTMLResponse(dashboard_html())
+        if "api_key" in raw_request.query_params:  # checked by APIKeyMiddleware
+            response.set_cookie(
+                DASHBOARD_COOKIE,
+                raw_request.query_params["api_key"],
+                path="/dashboard",
+                httponly=True,
+                samesite="strict",
+            )
+        return response
+
+    @app.get("/dashboard/events")
+    async def dashboard_events():
+        response = StreamingResponse(feed.events(), media_type="text/event-stream")
+        response.headers["Cache-Control"] = "no-cache"
+        return response
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -392,6 +440,8 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         raise ValueError(f"max_queue_len must be >= 0, got {ns.max_queue_len}.")
     if ns.max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {ns.max_request_body_bytes}.")
+    if not ns.dashboard_interval >= 0.05:
+        raise ValueError(f"dashboard_interval must be >= 0.05 s, got {ns.dashboard_interval}.")
     lora_modules = [LoRAModulePath.parse(text) for text in ns.lora_modules or ()]
     if lora_modules and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora.")
@@ -409,6 +459,8 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         ),
         ns.shutdown_timeout,
     )
+    # Opened before the model loads, so a bad path fails at once.
+    request_logger = RequestLogger(ns.request_log, names[0]) if ns.request_log else None
     engine = AsyncEngine.from_engine_args(
         engine_args,
         model_name=names[0],
@@ -416,6 +468,8 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         on_dead=server.engine_died,
     )
     server.engine = engine
+    if request_logger is not None:
+        engine.engine.stat_loggers.append(request_logger)  # safe: no request yet
     models = ServingModels(engine, names)
     for module in lora_modules:
         try:
@@ -442,9 +496,12 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         api_key=ns.api_key or envs.api_key(),
         max_request_body_bytes=ns.max_request_body_bytes,
         models=models,
+        dashboard_interval=ns.dashboard_interval,
     )
     try:
         server.run()
     finally:
         engine.shutdown(abort=True, timeout=10)
+        if request_logger is not None:
+            request_logger.close()
     return server.exit_code
