@@ -47,13 +47,14 @@ _GAUGES: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
         "Sequences swapped out to host memory.",
         lambda s: s.kv_cache.num_requests_swapped,
     ),
+    # `_perc` gauges are fractions, as vLLM's: 1 means 100 percent.
     "pagoda:kv_cache_usage_perc": (
-        "KV cache usage, percent of blocks.",
-        lambda s: s.kv_cache.usage_perc,
+        "KV cache usage, the fraction of blocks in use (1 means 100 percent).",
+        lambda s: s.kv_cache.usage_perc / 100,
     ),
     "pagoda:kv_cache_fragmentation_perc": (
-        "Percent of the slots in running requests' blocks that hold no token.",
-        lambda s: s.kv_cache_fragmentation_perc,
+        "The fraction of the slots in running requests' blocks that hold no token.",
+        lambda s: s.kv_cache_fragmentation_perc / 100,
     ),
     "pagoda:num_blocks_used": ("KV cache blocks in use.", lambda s: s.kv_cache.num_blocks_used),
     "pagoda:num_blocks_total": ("KV cache blocks in all.", lambda s: s.kv_cache.num_blocks_total),

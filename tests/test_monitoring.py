@@ -175,7 +175,7 @@ def _kv_alert_test(tmp_path, scrape: str, instance: str, expect_firing: bool) ->
             {
                 "exp_labels": {**labels, "severity": "warning"},
                 "exp_annotations": {
-                    "summary": f"KV cache {usage.value:.0f}% full on {instance}",
+                    "summary": f"KV cache {_humanize_percentage(usage.value)} full on {instance}",
                     "description": description.replace(
                         "{{ $labels.model_name }}", usage.labels["model_name"]
                     ),
@@ -206,6 +206,11 @@ def _kv_alert_test(tmp_path, scrape: str, instance: str, expect_firing: bool) ->
     return usage.value
 
 
+def _humanize_percentage(fraction: float) -> str:
+    """Prometheus's humanizePercentage: 4 significant digits, trailing zeros dropped."""
+    return f"{100 * fraction:.4g}%"
+
+
 def test_kv_alert_fires_on_a_filled_server(tiny_llama, tmp_path):
     """A 12-block pool, filled by long requests: its scraped KV usage, held, fires the
     alert; the same server idle does not."""
@@ -229,10 +234,10 @@ def test_kv_alert_fires_on_a_filled_server(tiny_llama, tmp_path):
         while full is None and time.monotonic() < deadline:
             text = _scrape(s.url)
             match = re.search(r"^pagoda:kv_cache_usage_perc\{.*\} (\S+)$", text, re.M)
-            if float(match.group(1)) > 90:
+            if float(match.group(1)) > 0.9:
                 full = text
         for t in threads:
             t.join()
     assert full is not None, "the pool never passed 90%"
-    assert _kv_alert_test(tmp_path, full, "full:8000", expect_firing=True) > 90
+    assert _kv_alert_test(tmp_path, full, "full:8000", expect_firing=True) > 0.9
     assert _kv_alert_test(tmp_path, idle, "idle:8000", expect_firing=False) == 0
