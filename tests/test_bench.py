@@ -12,6 +12,7 @@ import random
 import httpx
 import pytest
 
+from pagoda.bench import serve as serve_bench
 from pagoda.bench.metrics import RequestTimeline, compute_metrics, summarize
 from pagoda.bench.serve import stream_request
 from pagoda.bench.workloads import (
@@ -373,6 +374,10 @@ def test_bench_throughput_compare(tiny_llama, dataset, tmp_path, capsys):
     assert {"command", "config", "machine", "versions"} <= set(doc)
     assert doc["config"]["num_requests"] == 6 and doc["versions"]["pagoda"]
     assert png.stat().st_size > 1000
+    from PIL import Image
+
+    with Image.open(png) as image:  # three panels: TTFT, TPOT and the KV cache over time
+        assert image.width == 18 * 120
 
 
 def test_bench_latency(tiny_llama, tmp_path, capsys):
@@ -403,7 +408,8 @@ def _serve(server, tiny_llama, tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_bench_serve_text_prompts(server, tiny_llama, tmp_path, capsys):
+def test_bench_serve_text_prompts(server, tiny_llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(serve_bench, "KV_SAMPLE_INTERVAL", 0.01)
     doc = _serve(server, tiny_llama, tmp_path, "--workload", "uniform", "--num-prompts", "4")
     assert "tiny" in capsys.readouterr().out
     (r,) = doc["results"]
@@ -416,6 +422,19 @@ def test_bench_serve_text_prompts(server, tiny_llama, tmp_path, capsys):
     assert r["total_token_throughput"] > r["output_throughput"]
     assert r["ttft_ms"]["mean"] > 0 and r["tpot_ms"]["mean"] > 0 and r["e2el_ms"]["p99"] > 0
     assert r["e2el_ms"]["mean"] >= r["ttft_ms"]["mean"]
+    # The server's KV cache usage, scraped from /metrics during the run.
+    times = [t for t, _ in r["kv_usage"]]
+    assert len(times) >= 5 and times == sorted(times) and times[-1] <= r["duration_s"] + 1
+    assert all(0 <= u <= 100 for _, u in r["kv_usage"])
+    assert 0 < r["kv_usage_peak"] <= 100  # 4 requests of ~256 tokens in 2048 blocks
+
+
+def test_kv_usage_of_each_server():
+    pagoda = 'pagoda:kv_cache_usage_perc{model_name="a"} 0.25\npagoda:kv_cache_usage_perc{model_name="b"} 0.5'
+    assert serve_bench.kv_usage_of(pagoda) == 0.5
+    assert serve_bench.kv_usage_of('# HELP x\nvllm:kv_cache_usage_perc{engine="0"} 0.125') == 0.125
+    assert serve_bench.kv_usage_of("llamacpp:kv_cache_usage_ratio 0.75\n") == 0.75
+    assert serve_bench.kv_usage_of("pagoda:kv_cache_usage_perc_other 1\nfoo 2") is None
 
 
 def test_bench_serve_ids_sweep_and_plot(server, tiny_llama, dataset, tmp_path):

@@ -122,15 +122,35 @@ def plot_compare(path: str, results: list[dict[str, Any]], title: str) -> None:
     _save(plt, fig, path, title)
 
 
+def _axes(plt, results: list[dict[str, Any]]):
+    """Two panels, and a third for KV cache usage over time when a run sampled it."""
+    with_kv = any(r.get("kv_usage") for r in results)
+    fig, axes = plt.subplots(1, 3 if with_kv else 2, figsize=(18 if with_kv else 12, 4.5))
+    if with_kv:
+        ax = axes[2]
+        for r in results:
+            if r.get("kv_usage"):
+                t, usage = zip(*r["kv_usage"], strict=True)
+                label = r["system"] + (f" rate {r['request_rate']}" if "request_rate" in r else "")
+                ax.plot(t, usage, label=label)
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel("KV cache used (%)")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return fig, axes
+
+
 def plot_sweep(path: str, series: dict[str, list[dict[str, Any]]], title: str) -> None:
-    """One line per system: throughput vs P99 TTFT and vs P99 TPOT across request rates."""
+    """One line per system: throughput vs P99 TTFT and vs P99 TPOT across request rates
+    (and KV cache usage over each run, when sampled)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = _axes(plt, [p for points in series.values() for p in points])
     for name, points in series.items():
         thr = [p["output_throughput"] for p in points]
         axes[0].plot(thr, [p["ttft_ms"]["p99"] for p in points], marker="o", label=name)
         axes[1].plot(thr, [p["tpot_ms"]["p99"] for p in points], marker="o", label=name)
-    for ax, label in zip(axes, ("P99 TTFT (ms)", "P99 TPOT (ms)"), strict=True):
+    for ax, label in zip(axes[:2], ("P99 TTFT (ms)", "P99 TPOT (ms)"), strict=True):
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -139,16 +159,17 @@ def plot_sweep(path: str, series: dict[str, list[dict[str, Any]]], title: str) -
 
 
 def plot_latency_cdf(path: str, results: list[dict[str, Any]], title: str) -> None:
-    """One line per result: the CDF of per-request TTFT and of TPOT (from `per_request`)."""
+    """One line per result: the CDF of per-request TTFT and of TPOT (from `per_request`),
+    and KV cache usage over the run, when sampled."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = _axes(plt, results)
     for r in results:
-        for ax, key in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
+        for ax, key in zip(axes[:2], ("ttft_ms", "tpot_ms"), strict=True):
             values = sorted(v for v in r.get("per_request", {}).get(key, []) if v is not None)
             if values:
                 fractions = [(i + 1) / len(values) for i in range(len(values))]
                 ax.plot(values, fractions, drawstyle="steps-post", label=r["system"])
-    for ax, label in zip(axes, ("TTFT (ms)", "TPOT (ms)"), strict=True):
+    for ax, label in zip(axes[:2], ("TTFT (ms)", "TPOT (ms)"), strict=True):
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)

@@ -38,6 +38,14 @@ from pagoda.bench.metrics import RequestTimeline, compute_metrics, summarize
 from pagoda.bench.workloads import WORKLOADS, BenchRequest, assign_poisson_arrivals
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# KV cache usage gauges of the servers we compare, each as a fraction of 1.
+KV_USAGE_GAUGES = (
+    "pagoda:kv_cache_usage_perc",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",  # vLLM before v1
+    "llamacpp:kv_cache_usage_ratio",  # llama-server --metrics
+)
+KV_SAMPLE_INTERVAL = 0.5  # seconds between scrapes of /metrics
 
 
 def _rates(text: str) -> list[float]:
@@ -77,6 +85,11 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: latency vs throughput (sweep) or CDFs")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-kv-sampling",
+        action="store_true",
+        help="do not scrape the server's /metrics for KV cache usage during the run",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -159,6 +172,39 @@ async def stream_request(client, url: str, payload: dict[str, Any], chat: bool) 
     return res
 
 
+# ---- KV cache usage over a run ------------------------------------------------------------
+
+
+def kv_usage_of(metrics_text: str) -> float | None:
+    """The KV cache usage in a /metrics body as a fraction (the largest over models),
+    or None if it carries none of `KV_USAGE_GAUGES`."""
+    values = []
+    for line in metrics_text.splitlines():
+        if line.startswith(KV_USAGE_GAUGES):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in KV_USAGE_GAUGES:
+                with contextlib.suppress(ValueError):
+                    values.append(float(line.rsplit(" ", 1)[1]))
+    return max(values) if values else None
+
+
+async def sample_kv_usage(client, metrics_url: str, start: float, out: list) -> None:
+    """Append (seconds since `start`, percent used) every KV_SAMPLE_INTERVAL until
+    cancelled; stops at once on a server without such a gauge or without /metrics."""
+    import httpx
+
+    while True:
+        try:
+            resp = await client.get(metrics_url)
+            usage = kv_usage_of(resp.text) if resp.status_code == 200 else None
+        except httpx.HTTPError:
+            usage = None
+        if usage is None:
+            return
+        out.append((round(time.perf_counter() - start, 3), round(100 * usage, 2)))
+        await asyncio.sleep(KV_SAMPLE_INTERVAL)
+
+
 # ---- one pass at one rate -------------------------------------------------------------------
 
 
@@ -199,6 +245,8 @@ async def _run_pass_async(
     max_concurrency: int | None,
     timeout: float,
     bar,
+    metrics_url: str | None,
+    kv_usage: list,
 ) -> tuple[list[StreamResult], float, float]:
     import httpx
 
@@ -218,13 +266,25 @@ async def _run_pass_async(
 
         tasks: dict[int, asyncio.Task] = {}
         start = time.perf_counter()
+        sampler = None
+        if metrics_url is not None:  # its own connection: never waits for a request slot
+            metrics_client = httpx.AsyncClient(headers=headers, timeout=10)
+            sampler = asyncio.create_task(
+                sample_kv_usage(metrics_client, metrics_url, start, kv_usage)
+            )
         for i in sorted(range(len(payloads)), key=arrivals.__getitem__):
             delay = start + arrivals[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks[i] = asyncio.create_task(one(i))
         results = [await tasks[i] for i in range(len(payloads))]
-        return results, start, time.perf_counter() - start
+        duration = time.perf_counter() - start
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            await metrics_client.aclose()
+        return results, start, duration
 
 
 def run_pass(
@@ -241,15 +301,30 @@ def run_pass(
     slo_tpot_ms: float | None = None,
     progress: bool = True,
     desc: str = "",
+    metrics_url: str | None = None,
 ) -> dict[str, Any]:
     """Send `payloads[i]` at `reqs[i].arrival_time` seconds; return compute_metrics()'s
-    dict plus the received token counts, the client-side wait and the errors seen."""
+    dict plus the received token counts, the client-side wait and the errors seen, and
+    with `metrics_url`, the server's KV cache usage over the run (`kv_usage`: pairs of
+    seconds and percent; `kv_usage_peak`)."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(payloads), desc=desc, disable=not progress, dynamic_ncols=True)
     arrivals = [r.arrival_time for r in reqs]
+    kv_usage: list[tuple[float, float]] = []
     results, start, duration = asyncio.run(
-        _run_pass_async(url, headers or {}, payloads, arrivals, chat, max_concurrency, timeout, bar)
+        _run_pass_async(
+            url,
+            headers or {},
+            payloads,
+            arrivals,
+            chat,
+            max_concurrency,
+            timeout,
+            bar,
+            metrics_url,
+            kv_usage,
+        )
     )
     bar.close()
     timelines = []
@@ -278,6 +353,8 @@ def run_pass(
         ),
         errors=dict(Counter(res.error for res in results if res.error).most_common(5)),
     )
+    if kv_usage:
+        metrics.update(kv_usage=kv_usage, kv_usage_peak=max(u for _, u in kv_usage))
     return metrics
 
 
@@ -395,6 +472,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             slo_tpot_ms=ns.slo_tpot_ms,
             progress=not ns.no_progress,
             desc=f"{label} rate {_rate_text(rate)}",
+            metrics_url=None if ns.no_kv_sampling else base_url + "/metrics",
         )
         result.update(
             system=label, request_rate=_rate_text(rate), max_concurrency=ns.max_concurrency
@@ -413,6 +491,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for r in results:
         if r.get("errors"):
             print(f"{r['system']} rate {r['request_rate']}: errors {r['errors']}")
+        if r.get("kv_usage_peak") is not None:
+            print(
+                f"{r['system']} rate {r['request_rate']}: KV cache peak {r['kv_usage_peak']:.1f}%"
+            )
     config = {
         "base_url": base_url,
         "endpoint": ns.endpoint,
