@@ -55,6 +55,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,6 +72,7 @@ class Request:
         self.first_scheduled_time: float | None = None  # stamped by the scheduler
         self.grammar: RequestGrammar | None = None  # structured outputs; set by the scheduler
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)
+        self.trace_headers = trace_headers  # the caller's W3C trace context, if it sent one
 
     @property
     def lora_int_id(self) -> int:

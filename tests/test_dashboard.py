@@ -363,3 +363,115 @@ def test_dashboard_in_a_browser(server, tmp_path):
             assert requests_out and all(u.startswith(server.url) for u in requests_out)
         finally:
             browser.close()
+
+
+# ---- OpenTelemetry traces --------------------------------------------------------------
+
+
+class OTLPReceiver:
+    """An OTLP/HTTP traces endpoint on 127.0.0.1 that keeps the spans it is sent."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        self.spans: list = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(body)
+                for resource_spans in request.resource_spans:
+                    for scope_spans in resource_spans.scope_spans:
+                        for span in scope_spans.spans:
+                            receiver.spans.append((resource_spans.resource, span))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def _attributes(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        v = kv.value
+        kind = v.WhichOneof("value")
+        out[kv.key] = (
+            [x.string_value for x in v.array_value.values]
+            if kind == "array_value"
+            else getattr(v, kind)
+        )
+    return out
+
+
+def test_otlp_traces_one_span_per_request(tiny_llama):
+    pytest.importorskip("opentelemetry.sdk")
+    receiver = OTLPReceiver()
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    try:
+        args = ["--otlp-traces-endpoint", receiver.url, "--served-model-name", "tiny"]
+        # The SDK's batch processor exports every 100 ms here (5 s by default).
+        with RemoteServer(tiny_llama, *args, env={"OTEL_BSP_SCHEDULE_DELAY": "100"}) as s:
+            client = s.client()
+            client.completions.create(
+                model="tiny", prompt="traced request", max_tokens=5,
+                extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+            )  # fmt: skip
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "untraced"}], max_tokens=3
+            )
+            deadline = time.monotonic() + 30
+            while len(receiver.spans) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert s.terminate() == 0
+    finally:
+        receiver.close()
+    assert len(receiver.spans) == 2
+    (resource, traced), (_, untraced) = sorted(
+        receiver.spans, key=lambda rs: _attributes(rs[1])["gen_ai.usage.completion_tokens"]
+    )[::-1]
+    assert {kv.key: kv.value.string_value for kv in resource.attributes}["service.name"] == "pagoda"
+    assert traced.name == "llm_request"
+    # The caller's trace: the span is the traceparent's child.
+    assert traced.trace_id.hex() == trace_id and traced.parent_span_id.hex() == parent_id
+    assert untraced.trace_id.hex() != trace_id and not untraced.parent_span_id
+    a = _attributes(traced)
+    assert a["gen_ai.response.model"] == "tiny" and a["gen_ai.request.id"].startswith("cmpl-")
+    assert a["gen_ai.usage.completion_tokens"] == 5 and a["gen_ai.usage.prompt_tokens"] > 0
+    assert a["gen_ai.response.finish_reasons"] == ["length"]
+    assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
+    assert a["pagoda.num_preemptions"] == 0
+    duration = (traced.end_time_unix_nano - traced.start_time_unix_nano) / 1e9
+    assert duration == pytest.approx(a["gen_ai.latency.e2e"], abs=1e-3)
+    assert abs(traced.end_time_unix_nano / 1e9 - time.time()) < 600
+    events = {e.name: e.time_unix_nano for e in traced.events}
+    assert list(events) == ["queued", "first_scheduled", "first_token"]
+    times = [traced.start_time_unix_nano, *events.values(), traced.end_time_unix_nano]
+    assert times == sorted(times)
+
+
+def test_bad_trace_headers_are_refused(engine):
+    from pagoda.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="trace_headers"):
+        engine.add_request("t", "hello", trace_headers=["traceparent"])
+    with pytest.raises(InvalidRequestError, match="trace_headers.traceparent"):
+        engine.add_request("t", "hello", trace_headers={"traceparent": "x" * 600})
+    assert not engine.has_unfinished_requests()

@@ -165,6 +165,7 @@ class FinishedRequestStats:
     timeline: RequestMetrics | None = None  # arrival, first scheduled, first token, finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0  # over all its completions
+    trace_headers: dict[str, str] | None = None  # the caller's W3C trace context
 
 
 @dataclass

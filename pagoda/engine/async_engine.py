@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -301,6 +301,7 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> ProcessedRequest:
         """Check and tokenize a request on the processor thread. Raises
         InvalidRequestError (a ValueError naming the field) on bad input."""
@@ -312,6 +313,7 @@ class AsyncEngine:
             priority,
             arrival_time,
             lora_request,
+            trace_headers,
         )
         return ProcessedRequest(request_id, children, text)
 
@@ -347,11 +349,12 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
         """Check, tokenize and queue one request; returns its stream (see `add_processed`)."""
         self.check_capacity(1)
         processed = await self.process(
-            request_id, prompt, params, priority, time.monotonic(), lora_request
+            request_id, prompt, params, priority, time.monotonic(), lora_request, trace_headers
         )
         (stream,) = await self.add_processed([processed])
         return stream
@@ -363,6 +366,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (of `params.output_kind`) until it finishes.
 
@@ -371,7 +375,9 @@ class AsyncEngine:
         """
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
-        stream = await self.add_request(request_id, prompt, params, priority, lora_request)
+        stream = await self.add_request(
+            request_id, prompt, params, priority, lora_request, trace_headers
+        )
         try:
             async for output in stream:
                 yield output

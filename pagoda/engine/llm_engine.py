@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -110,6 +111,7 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         """Check and queue a request. Raises InvalidRequestError (a ValueError naming the
         field) on bad input, and then has queued nothing.
@@ -117,9 +119,10 @@ class LLMEngine:
         With `params.n > 1` the request runs as n children that share the
         prompt's blocks; its RequestOutput carries n completions. With
         `lora_request` it runs under that adapter (the engine needs enable_lora).
+        `trace_headers` (W3C `traceparent`/`tracestate`) parent its exported span.
         """
         children, text = self.processor.process(
-            request_id, prompt, params, priority, arrival_time, lora_request
+            request_id, prompt, params, priority, arrival_time, lora_request, trace_headers
         )
         self.add_processed_request(request_id, children, text)
 

@@ -104,6 +104,7 @@ class RequestState:
     error_is_client: bool = False
     lora_request: LoRARequest | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was admitted
+    trace_headers: dict[str, str] | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,6 +167,7 @@ class RequestState:
             timeline=dataclasses.replace(m),
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=sum(c.num_preemptions for c in self.completions),
+            trace_headers=self.trace_headers,
         )
 
 
@@ -214,6 +216,7 @@ class OutputProcessor:
             RequestMetrics(arrival_time=first.arrival_time, queued_time=time.monotonic()),
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
             lora_request=first.lora_request,
+            trace_headers=first.trace_headers,
         )
 
     def process_outputs(

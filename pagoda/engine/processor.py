@@ -24,7 +24,7 @@ import inspect
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pagoda.config import LoRAConfig, ModelConfig, RequestLimits
@@ -95,6 +95,25 @@ def check_bool(value: Any, param: str) -> bool:
     if not isinstance(value, bool):
         _fail(param, "must be true or false", value)
     return value
+
+
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context
+
+
+def check_trace_headers(headers: Any) -> dict[str, str] | None:
+    """The W3C trace-context entries of `headers` (names in any case), or None."""
+    if headers is None:
+        return None
+    if not isinstance(headers, Mapping):
+        _fail("trace_headers", "must be a mapping of header names to values", headers)
+    out = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            _fail("trace_headers", "names and values must be strings", f"{name!r}: {value!r}")
+        if name.lower() in TRACE_HEADERS:
+            check_text(value, f"trace_headers.{name.lower()}", 512)
+            out[name.lower()] = value
+    return out or None
 
 
 def check_text(
@@ -177,10 +196,13 @@ class Processor:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> tuple[list[Request], str | None]:
         """Check and tokenize a request. Returns (one Request per completion, the prompt
         text if it had one). Child i of a request with n > 1 has id "<request_id>#<i>"
-        and, if seeded, seed + i. Raises InvalidRequestError naming the field."""
+        and, if seeded, seed + i. `trace_headers`: the caller's W3C trace context
+        (`traceparent`, `tracestate`), the parent of the request's span when traces
+        are exported. Raises InvalidRequestError naming the field."""
         check_text(request_id, "request_id", 256)
         if not request_id:
             _fail("request_id", "must not be empty")
@@ -191,11 +213,20 @@ class Processor:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             _fail("params", "must be a SamplingParams", type(params).__name__)
+        trace_headers = check_trace_headers(trace_headers)
         text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.check_params(params, len(token_ids))
         if params.n == 1:
             return [
-                Request(request_id, token_ids, params, priority, arrival_time, lora_request)
+                Request(
+                    request_id,
+                    token_ids,
+                    params,
+                    priority,
+                    arrival_time,
+                    lora_request,
+                    trace_headers,
+                )  # fmt: skip
             ], text
         children = []
         for i in range(params.n):
@@ -210,6 +241,7 @@ class Processor:
                     priority,
                     arrival_time,
                     lora_request,
+                    trace_headers,
                 )
             )
         return children, text

@@ -129,6 +129,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "cache hits, preemptions) to PATH, or - for stderr",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export one OpenTelemetry span per finished request over OTLP/HTTP to URL "
+        "(e.g. http://127.0.0.1:4318/v1/traces; needs pip install 'pagoda[otel]')",
+    )
+    parser.add_argument(
         "--dashboard-interval",
         type=float,
         default=0.5,

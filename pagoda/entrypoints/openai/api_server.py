@@ -46,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__, envs
 from pagoda.engine.async_engine import AsyncEngine, EngineNotAcceptingError, QueueFullError
+from pagoda.engine.processor import TRACE_HEADERS
 from pagoda.entrypoints.openai.dashboard import DEFAULT_INTERVAL as DASHBOARD_INTERVAL
 from pagoda.entrypoints.openai.dashboard import DashboardFeed, dashboard_html
 from pagoda.entrypoints.openai.protocol import (
@@ -66,7 +67,7 @@ from pagoda.entrypoints.openai.serving_engine import APIError, bad_request, from
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.metrics import CONTENT_TYPE
-from pagoda.request_log import RequestLogger
+from pagoda.tracing import RequestLogger, RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,14 @@ class BodySizeLimitMiddleware:
 
     def _too_large(self) -> JSONResponse:
         return _error(413, self._message(), "invalid_request_error", code="request_too_large")
+
+
+def trace_headers(raw_request: Request) -> dict[str, str] | None:
+    """The request's W3C trace context (`traceparent`, `tracestate`), if it has one."""
+    found = {
+        name: raw_request.headers[name] for name in TRACE_HEADERS if name in raw_request.headers
+    }
+    return found or None
 
 
 async def until_disconnected(raw_request: Request, work: Awaitable[Any]) -> Any:
@@ -339,7 +348,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        run = await completion.start(req)
+        run = await completion.start(req, trace_headers(raw_request))
         if req.stream:
             body = completion.stream_response(run)
             return SSEResponse(body, lambda: completion.abort_unfinished(run.streams))
@@ -347,7 +356,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        run = await chat.start(req)
+        run = await chat.start(req, trace_headers(raw_request))
         if req.stream:
             body = chat.stream_response(run)
             return SSEResponse(body, lambda: chat.abort_unfinished([run.stream]))
@@ -459,8 +468,12 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         ),
         ns.shutdown_timeout,
     )
-    # Opened before the model loads, so a bad path fails at once.
-    request_logger = RequestLogger(ns.request_log, names[0]) if ns.request_log else None
+    # Opened before the model loads, so a bad path or a missing package fails at once.
+    tracers = []
+    if ns.request_log:
+        tracers.append(RequestLogger(ns.request_log, names[0]))
+    if ns.otlp_traces_endpoint:
+        tracers.append(RequestTracer(ns.otlp_traces_endpoint, names[0]))
     engine = AsyncEngine.from_engine_args(
         engine_args,
         model_name=names[0],
@@ -468,8 +481,7 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         on_dead=server.engine_died,
     )
     server.engine = engine
-    if request_logger is not None:
-        engine.engine.stat_loggers.append(request_logger)  # safe: no request yet
+    engine.engine.stat_loggers.extend(tracers)  # safe: no request yet
     models = ServingModels(engine, names)
     for module in lora_modules:
         try:
@@ -502,6 +514,6 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         server.run()
     finally:
         engine.shutdown(abort=True, timeout=10)
-        if request_logger is not None:
-            request_logger.close()
+        for tracer in tracers:
+            tracer.close()
     return server.exit_code

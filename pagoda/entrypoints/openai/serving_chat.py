@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from pagoda.engine.async_engine import RequestStream
@@ -120,7 +120,9 @@ class OpenAIServingChat(OpenAIServing):
     def conversation(req) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in req.messages]
 
-    async def start(self, req: ChatCompletionRequest) -> ChatRun:
+    async def start(
+        self, req: ChatCompletionRequest, trace_headers: Mapping[str, str] | None = None
+    ) -> ChatRun:
         """Check and add the request; everything that fails here is the client's (4xx)."""
         model, lora_request = self.check_model(req.model)
         self.check_supported(req)
@@ -155,7 +157,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt["chat_template_kwargs"] = req.chat_template_kwargs
         response_id = random_id("chatcmpl")
         (stream,) = await super().start(
-            response_id, [prompt], params, req.priority, renames, lora_request
+            response_id, [prompt], params, req.priority, renames, lora_request, trace_headers
         )
         return ChatRun(
             req, response_id, model, params, stream, tool_names(tools) if tools else None

@@ -8,7 +8,7 @@ then `[DONE]`. A whole response gathers the same deltas.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from pagoda.engine.async_engine import RequestStream
@@ -62,7 +62,9 @@ def to_prompts(prompt: str | list) -> list[PromptType]:
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def start(self, req: CompletionRequest) -> CompletionRun:
+    async def start(
+        self, req: CompletionRequest, trace_headers: Mapping[str, str] | None = None
+    ) -> CompletionRun:
         """Check and add the request; everything that fails here is the client's (4xx)."""
         model, lora_request = self.check_model(req.model)
         self.check_supported(req)
@@ -76,7 +78,13 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id = random_id("cmpl")
         renames = {**RENAMES, "structured_outputs": source} if source else RENAMES
         streams = await super().start(
-            response_id, to_prompts(req.prompt), params, req.priority, renames, lora_request
+            response_id,
+            to_prompts(req.prompt),
+            params,
+            req.priority,
+            renames,
+            lora_request,
+            trace_headers,
         )
         return CompletionRun(req, response_id, model, params, streams)
 

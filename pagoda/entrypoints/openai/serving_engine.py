@@ -13,7 +13,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -376,10 +376,12 @@ class OpenAIServing:
         priority: int,
         renames: dict[str, str] | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> list[RequestStream]:
         """One engine request per prompt, all or nothing: every prompt goes through the
         front door on the processor thread (a bad one is a 400 naming its field), then
-        all are queued in one operation."""
+        all are queued in one operation. `trace_headers`: the HTTP request's W3C trace
+        context, the parent of each request's span."""
         self.engine.check_capacity(len(prompts))
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         arrival = time.monotonic()
@@ -389,7 +391,7 @@ class OpenAIServing:
             out = []
             for request_id, prompt in zip(ids, prompts, strict=True):
                 children, text = self.processor.process(
-                    request_id, prompt, params, priority, arrival, lora_request
+                    request_id, prompt, params, priority, arrival, lora_request, trace_headers
                 )
                 out.append(ProcessedRequest(request_id, children, text))
             return out
