@@ -51,6 +51,11 @@ class LatencyRecorder:
         self.ttfts: deque[float] = deque(maxlen=self.MAX_KEPT)
         self.tpots: deque[float] = deque(maxlen=self.MAX_KEPT)
 
+    def start(self) -> None:
+        self.ttfts.clear()
+        self.tpots.clear()
+        self.active = True
+
     def record(self, stats: IterationStats) -> None:
         if not self.active:
             return
@@ -116,7 +121,8 @@ class DashboardFeed:
         queue: asyncio.Queue = asyncio.Queue(maxsize=4)
         self._subscribers.add(queue)
         if self._task is None or self._task.done():
-            self.recorder.active = True
+            self.recorder.start()
+            self._previous = None  # rates start over, not across the time nobody watched
             self._task = asyncio.create_task(self._sample_loop())
         try:
             yield _event("info", self.info())
