@@ -44,8 +44,25 @@ def make_tokenizer(folder: str):
     return fast
 
 
+# Tiny mixture-of-experts configurations: more experts than chosen, so routing matters.
+MOE_DEFAULTS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+    "olmoe": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False, clip_qkv=None),
+}
+
+
 def make_model(folder: str, arch: str, **overrides):
-    """Save a tiny random model of `arch` ("llama" | "mistral" | "qwen2") into folder."""
+    """Save a tiny random model of `arch` ("llama" | "mistral" | "qwen2", or the MoE
+    "mixtral" | "qwen2_moe" | "olmoe") into folder."""
     import transformers
 
     tokenizer = make_tokenizer(folder)
@@ -64,12 +81,17 @@ def make_model(folder: str, arch: str, **overrides):
         initializer_range=0.2,  # sharper logits: fewer near-ties between top tokens
     )
     common.update(overrides)
+    if arch in MOE_DEFAULTS:
+        common = {**common, **MOE_DEFAULTS[arch], **overrides}
     cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     }[arch]
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         common.setdefault("sliding_window", None)
     torch.manual_seed(0)
     model = cls[1](cls[0](**common))

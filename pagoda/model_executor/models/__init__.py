@@ -6,4 +6,8 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,  # Llama with (optional) sliding window
     "Qwen2ForCausalLM": LlamaForCausalLM,  # Llama with q/k/v bias
+    # Mixture of experts: Llama with SparseMoeBlock MLPs.
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,  # and q/k/v bias, a shared expert
+    "OlmoeForCausalLM": LlamaForCausalLM,  # and q/k norms
 }

@@ -1,12 +1,18 @@
-"""Llama, and the variants that only flip config switches: Mistral, Qwen2 (q/k/v bias), SmolLM.
+"""Llama, and the variants that only flip config switches: Mistral, Qwen2 (q/k/v bias),
+SmolLM; and their mixture-of-experts kin, whose MLP is a `SparseMoeBlock`: Mixtral,
+Qwen2-MoE (a gated shared expert beside the routed ones; dense layers where
+`mlp_only_layers` or `decoder_sparse_step` say) and OLMoE (RMSNorm on the whole q
+and k projections, optional `clip_qkv`).
 
 Flat token batches: every activation is [T, ...] with T the step's tokens
-across all requests. q/k/v and gate/up are fused into one matmul each; the
-loader maps Hugging Face's separate weights onto them.
+across all requests. q/k/v and gate/up are fused into one matmul each, and each
+MoE layer's experts are stacked into two [E, ...] tensors; the loader maps
+Hugging Face's separate weights onto them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,6 +22,7 @@ from torch import nn
 
 from pagoda.attention.context import get_attention_metadata, get_lora_mapping
 from pagoda.model_executor.layers.attention import Attention
+from pagoda.model_executor.layers.fused_moe import FusedMoE
 from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.linear import Embedding, Linear
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
@@ -32,17 +39,29 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = (
-            bool(cfg.get("attention_bias", False)) or cfg["architectures"][0] == "Qwen2ForCausalLM"
-        )
+        arch = cfg["architectures"][0]
+        bias = {
+            "Qwen2ForCausalLM": True,
+            "Qwen2MoeForCausalLM": bool(cfg.get("qkv_bias", True)),
+        }.get(arch, bool(cfg.get("attention_bias", False)))
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias, ops)
         self.o_proj = Linear(self.q_size, hidden, False, ops)
         self.rotary_emb = rotary_emb  # one table for every layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
+        # OLMoE: RMSNorm over the whole q and k projections, then q, k, v clamped.
+        self.q_norm = self.k_norm = None
+        self.clip_qkv = cfg.get("clip_qkv")
+        if arch == "OlmoeForCausalLM":
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            self.q_norm = RMSNorm(self.q_size, eps, ops)
+            self.k_norm = RMSNorm(self.kv_size, eps, ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None or self.clip_qkv is not None:
+            qkv = self._norm_and_clip(qkv)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = self.rotary_emb(
             positions, qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         )
@@ -51,11 +70,20 @@ class LlamaAttention(nn.Module):
         o = self.attn(q, k, v)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
+    def _norm_and_clip(self, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        qkv = torch.cat([q, k, v], dim=-1)
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+        return qkv
+
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops, intermediate_size: int | None = None) -> None:
         super().__init__()
-        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        hidden, inter = cfg["hidden_size"], intermediate_size or cfg["intermediate_size"]
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu).")
         bias = bool(cfg.get("mlp_bias", False))
@@ -67,12 +95,54 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts MLP: the router (`gate`), the routed experts, and for
+    Qwen2-MoE a shared expert every token goes through, scaled by a sigmoid gate."""
+
+    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
+        super().__init__()
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu).")
+        hidden = cfg["hidden_size"]
+        num_experts = cfg.get("num_local_experts") or cfg["num_experts"]
+        mixtral = cfg["architectures"][0] == "MixtralForCausalLM"
+        self.gate = Linear(hidden, num_experts, False, ops)
+        self.experts = FusedMoE(
+            num_experts,
+            cfg["num_experts_per_tok"],
+            hidden,
+            cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
+            ops=ops,
+        )
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.get("shared_expert_intermediate_size"):
+            self.shared_expert = LlamaMLP(cfg, ops, cfg["shared_expert_intermediate_size"])
+            self.shared_expert_gate = Linear(hidden, 1, False, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
+    """Whether layer `layer_idx` has experts (Qwen2-MoE may keep some layers dense)."""
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if num_experts == 0 or layer_idx in (cfg.get("mlp_only_layers") or ()):
+        return False
+    return (layer_idx + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], ops: Ops, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], ops: Ops, rotary_emb: RotaryEmbedding, layer_idx: int = 0
+    ) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(cfg, ops, rotary_emb)
-        self.mlp = LlamaMLP(cfg, ops)
+        self.mlp = SparseMoeBlock(cfg, ops) if is_moe_layer(cfg, layer_idx) else LlamaMLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, ops)
 
@@ -100,7 +170,7 @@ class LlamaModel(nn.Module):
             ops,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ops, rotary_emb) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, ops, rotary_emb, i) for i in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ops)
         self.ops = ops
@@ -117,7 +187,11 @@ class LlamaModel(nn.Module):
         kernel layer would. Returns the most rows it takes (0: not built)."""
         ops = self.ops
         if ops.decode_loop is None or any(
-            layer.self_attn.attn.kv.quantized for layer in self.layers
+            layer.self_attn.attn.kv.quantized
+            or not isinstance(layer.mlp, LlamaMLP)  # the loop runs dense MLPs only
+            or layer.self_attn.q_norm is not None
+            or layer.self_attn.clip_qkv is not None
+            for layer in self.layers
         ):
             return 0
         attn = self.layers[0].self_attn
@@ -217,8 +291,9 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             yield i, ("q_proj", "k_proj", "v_proj"), layer.self_attn.qkv_proj
             yield i, ("o_proj",), layer.self_attn.o_proj
-            yield i, ("gate_proj", "up_proj"), layer.mlp.gate_up_proj
-            yield i, ("down_proj",), layer.mlp.down_proj
+            if isinstance(layer.mlp, LlamaMLP):  # experts take no adapters (yet)
+                yield i, ("gate_proj", "up_proj"), layer.mlp.gate_up_proj
+                yield i, ("down_proj",), layer.mlp.down_proj
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -238,10 +313,16 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         pending: dict[str, dict[int, torch.Tensor | QuantizedWeight]] = {}
+        experts: dict[str, dict[tuple[int, int], tuple[str, Any]]] = {}
         for name, w in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            expert = _EXPERT_WEIGHT.match(name)
+            if expert is not None:
+                self._stack_expert(expert, w, params, experts, loaded, dtype)
                 continue
             fused = next(
                 (
@@ -266,11 +347,16 @@ class LlamaForCausalLM(nn.Module):
                 )
             parts = pending.setdefault(fused_name, {})
             parts[shard] = (name, w)
-            if len(parts) == len(self._shard_sizes(fused_part)):
+            if len(parts) == (3 if fused_part == ".qkv_proj." else 2):
                 del pending[fused_name]
                 names, ws = zip(*(parts[i] for i in range(len(parts))), strict=True)
                 self._load(fused_name, list(ws), list(names), dtype)
                 loaded.add(fused_name)
+        for target, parts in experts.items():
+            expected = params[target].shape[0] * (1 if target.endswith(".w2") else 2)
+            raise ValueError(
+                f"checkpoint is missing {expected - len(parts)} expert weights of {target!r}."
+            )
         missing = sorted(set(params) - loaded - {"lm_head.weight"})
         if missing:
             raise ValueError(
@@ -286,6 +372,37 @@ class LlamaForCausalLM(nn.Module):
         elif "lm_head.weight" not in loaded:
             raise ValueError("checkpoint is missing weights: lm_head.weight")
 
+    def _stack_expert(self, match, w, params, experts, loaded, dtype) -> None:
+        """One expert's gate, up or down weight into its layer's stacked tensor; the
+        tensor is built once every expert's part has come."""
+        prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+        shard = _EXPERT_SHARDS[part]
+        target = f"{prefix}.{'w2' if shard == 2 else 'w13'}"
+        if target not in params:
+            raise ValueError(f"checkpoint weight {match.group(0)!r} has no place in this model.")
+        param = params[target]
+        num_experts, rows = param.shape[0], param.shape[1] // (1 if shard == 2 else 2)
+        if not 0 <= expert < num_experts:
+            raise ValueError(f"checkpoint weight {match.group(0)!r}: only {num_experts} experts.")
+        if isinstance(w, QuantizedWeight):
+            w = TORCH_OPS.dequantize(w, dtype)
+        if tuple(w.shape) != (rows, param.shape[2]):
+            raise ValueError(
+                f"weight {match.group(0)!r} has shape {tuple(w.shape)}, "
+                f"expected {(rows, param.shape[2])}."
+            )
+        parts = experts.setdefault(target, {})
+        parts[(expert, shard % 2)] = w
+        if len(parts) < num_experts * (1 if shard == 2 else 2):
+            return
+        del experts[target]
+        data = torch.empty(param.shape, dtype=dtype)
+        for (e, half), part_w in parts.items():
+            data[e, half * rows : (half + 1) * rows].copy_(part_w)
+        module_name, attr = target.rsplit(".", 1)
+        setattr(self.get_submodule(module_name), attr, nn.Parameter(data, requires_grad=False))
+        loaded.add(target)
+
     def _load(
         self,
         target: str,
@@ -298,7 +415,9 @@ class LlamaForCausalLM(nn.Module):
         module = self.get_submodule(module_name)
         param = getattr(module, attr)
         sizes = (
-            [param.shape[0]] if len(parts) == 1 else self._shard_sizes(f".{target.split('.')[-2]}.")
+            [param.shape[0]]
+            if len(parts) == 1
+            else self._shard_sizes(f".{target.split('.')[-2]}.", param.shape[0])
         )
         for part, name, size in zip(parts, names, sizes, strict=True):
             want = (size, *param.shape[1:])
@@ -322,8 +441,17 @@ class LlamaForCausalLM(nn.Module):
             offset += part.shape[0]
         setattr(module, attr, nn.Parameter(data, requires_grad=False))
 
-    def _shard_sizes(self, fused_part: str) -> list[int]:
+    def _shard_sizes(self, fused_part: str, rows: int) -> list[int]:
+        """The parts of a fused weight of `rows` rows: q, k, v, or gate and up."""
         attn = self.model.layers[0].self_attn
         if fused_part == ".qkv_proj.":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.config["intermediate_size"]] * 2
+        return [rows // 2] * 2  # a layer's MLP or a shared expert: each its own size
+
+
+# An expert's weight, by Mixtral's (w1, w3, w2) or Qwen2-MoE's and OLMoE's names.
+_EXPERT_WEIGHT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+# -> 0: the gate half of w13, 1: its up half, 2: w2.
+_EXPERT_SHARDS = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}

@@ -1,0 +1,82 @@
+"""Mixture of experts: the router's top-k, then each expert over its own tokens only.
+
+    x [T, H] ── gate ──▶ logits [T, E] ── softmax (float32) ──▶ top-k weights, ids [T, k]
+    the T*k (token, expert) pairs, sorted by expert ──▶ one contiguous segment per expert
+    for each expert with tokens:  seg [n, H] ── w13[e] ──▶ silu(gate) * up ── w2[e] ──▶ [n, H]
+    scaled by their routing weights, summed back into their tokens (index_add)
+
+Sorting replaces any loop over tokens; the loop is over experts, and only those a
+token chose (at batch 1, k of them). Each expert's two products go through the
+kernel layer's `linear`, so a short segment in bf16 takes the small-batch kernel.
+
+`expert_map` is the seam for expert parallelism: which experts this rank holds
+(all of them, today). With experts sharded, the tokens routed to another rank's
+experts would go there in an all-to-all after the sort and come back before the
+index_add.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.ops import Ops
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        ops: Ops,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}.")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize  # the top-k weights sum to 1 (norm_topk_prob)
+        self.ops = ops
+        # Experts' weights stacked, gate and up fused: as each expert's Linear holds them.
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        )
+        # Expert id -> where it runs; every expert here, for now (see the module doc).
+        self.expert_map = list(range(num_experts))
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, E] logits -> (top-k weights in float32, expert ids), [T, k] each."""
+        probs = torch.softmax(router_logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        T, H = x.shape
+        weights, ids = self.route(router_logits)
+        flat_ids = ids.reshape(-1)  # [T*k], pair p is token p // k
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // self.top_k  # the token of each sorted pair
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        xs = x.index_select(0, token_of)  # [T*k, H], grouped by expert
+        out = torch.empty_like(xs)
+        linear = self.ops.linear
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = xs[start : start + n]
+            gate, up = linear(seg, self.w13[expert], None).chunk(2, dim=-1)
+            out[start : start + n] = linear(F.silu(gate) * up, self.w2[expert], None)
+            start += n
+        out.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
+        return torch.zeros_like(x).index_add_(0, token_of, out)

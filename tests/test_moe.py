@@ -1,0 +1,148 @@
+"""Mixture-of-experts models: Mixtral, Qwen2-MoE and OLMoE greedy outputs equal Hugging
+Face transformers' token for token (float32), with every engine setting that must not
+change them; the grouped expert step against a per-token reference; loader errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from pagoda import LLM
+from pagoda.model_executor.layers.fused_moe import FusedMoE
+from pagoda.ops import TORCH_OPS
+from tests.conftest import make_model, tiny_prompts
+from tests.test_correctness import MAX_TOKENS, hf_greedy, pagoda_greedy
+
+VARIANTS = {
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    # Renormalized top-k, and a dense first layer among the sparse ones.
+    "qwen2_moe-norm-dense0": ("qwen2_moe", dict(norm_topk_prob=True, mlp_only_layers=[0])),
+    "olmoe": ("olmoe", {}),
+    "olmoe-clip": ("olmoe", dict(clip_qkv=0.3, norm_topk_prob=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        name: make_model(str(root / name), arch, **overrides)
+        for name, (arch, overrides) in VARIANTS.items()
+    }
+
+
+@functools.cache
+def _llm(folder: str, **kwargs) -> LLM:
+    return LLM(folder, dtype="float32", kv_cache_memory_bytes=1 << 24, **kwargs)
+
+
+def _reference(folder: str):
+    prompts = tiny_prompts(_llm(folder).get_tokenizer())
+    return prompts, hf_greedy(folder, tuple(map(tuple, prompts)), MAX_TOKENS)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_matches_hf(moe_models, variant):
+    folder = moe_models[variant]
+    prompts, expected = _reference(folder)
+    llm = _llm(folder)
+    assert pagoda_greedy(llm, prompts) == expected  # 16 prompts in one batch
+    assert llm.llm_engine.get_stats().kv_cache.num_blocks_used == 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        pytest.param(dict(max_num_batched_tokens=7), id="chunk-every-prompt"),
+        pytest.param(dict(max_num_seqs=1), id="max_num_seqs=1"),
+        pytest.param(dict(kernel_backend="torch"), id="reference-kernels"),
+        # 12 blocks of 16 tokens for 16 requests: preemption and recompute.
+        pytest.param(dict(kv_cache_memory_bytes=12 * 8192), id="preemption"),
+    ],
+)
+def test_settings_do_not_change_outputs(moe_models, settings):
+    folder = moe_models["qwen2_moe"]
+    prompts, expected = _reference(folder)
+    llm = LLM(folder, dtype="float32", **{"kv_cache_memory_bytes": 1 << 24, **settings})
+    assert pagoda_greedy(llm, prompts) == expected
+    stats = llm.llm_engine.get_stats()
+    assert stats.kv_cache.num_blocks_used == 0
+    if "kv_cache_memory_bytes" in settings:
+        assert stats.num_preemptions > 0
+
+
+def test_prefix_caching_does_not_change_outputs(moe_models):
+    folder = moe_models["mixtral"]
+    prompts, expected = _reference(folder)
+    llm = LLM(folder, dtype="float32", kv_cache_memory_bytes=1 << 24)
+    assert pagoda_greedy(llm, prompts) == expected
+    assert pagoda_greedy(llm, prompts) == expected  # now from the prefix cache
+    assert llm.llm_engine.get_stats().kv_cache.prefix_cache_hits > 0
+
+
+def _per_token_reference(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Each token through each of its chosen experts, one at a time."""
+    weights, ids = moe.route(logits)
+    out = torch.zeros_like(x)
+    inter = moe.intermediate_size
+    for t in range(x.shape[0]):
+        for j in range(moe.top_k):
+            e = ids[t, j]
+            gate_up = moe.w13[e] @ x[t]
+            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weights[t, j] * (moe.w2[e] @ h)
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 3, 37])
+def test_grouped_experts_equal_per_token(renormalize, num_tokens):
+    torch.manual_seed(num_tokens)
+    moe = FusedMoE(8, 3, 32, 24, renormalize, TORCH_OPS)
+    moe.w13.data.normal_()
+    moe.w2.data.normal_()
+    x = torch.randn(num_tokens, 32)
+    logits = torch.randn(num_tokens, 8)
+    logits[:, 5] = -1e4  # an expert nobody picks: skipped
+    got = moe(x, logits)
+    torch.testing.assert_close(got, _per_token_reference(moe, x, logits), rtol=1e-5, atol=1e-4)
+    weights, ids = moe.route(logits)
+    assert (ids != 5).all()
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens))
+
+
+def test_grouped_experts_in_bf16_with_the_cpu_kernels():
+    from pagoda.ops import select_ops
+
+    ops = select_ops("auto", torch.bfloat16)
+    torch.manual_seed(0)
+    moe32 = FusedMoE(8, 2, 64, 96, True, TORCH_OPS)
+    moe32.w13.data.normal_(std=0.1)
+    moe32.w2.data.normal_(std=0.1)
+    moe16 = FusedMoE(8, 2, 64, 96, True, ops)
+    moe16.w13.data = moe32.w13.data.bfloat16()
+    moe16.w2.data = moe32.w2.data.bfloat16()
+    for num_tokens in (1, 5, 40):  # the small-batch kernel and oneDNN
+        x = torch.randn(num_tokens, 64)
+        logits = torch.randn(num_tokens, 8)
+        want = moe32(x, logits)
+        got = moe16(x.bfloat16(), logits.bfloat16()).float()
+        assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def test_missing_expert_is_named(moe_models, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(moe_models["mixtral"], folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 expert weights of 'model\.layers\.1\.mlp"):
+        LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22)
