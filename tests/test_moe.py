@@ -83,9 +83,17 @@ def test_prefix_caching_does_not_change_outputs(moe_models):
     assert llm.llm_engine.get_stats().kv_cache.prefix_cache_hits > 0
 
 
+def _route(logits: torch.Tensor, top_k: int, renormalize: bool):
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
 def _per_token_reference(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Each token through each of its chosen experts, one at a time."""
-    weights, ids = moe.route(logits)
+    weights, ids = _route(logits, moe.top_k, moe.renormalize)
     out = torch.zeros_like(x)
     inter = moe.intermediate_size
     for t in range(x.shape[0]):
@@ -97,11 +105,14 @@ def _per_token_reference(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor) -
     return out
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 3, 37])
-def test_grouped_experts_equal_per_token(renormalize, num_tokens):
+def test_grouped_experts_equal_per_token(backend, renormalize, num_tokens):
+    from pagoda.ops import select_ops
+
     torch.manual_seed(num_tokens)
-    moe = FusedMoE(8, 3, 32, 24, renormalize, TORCH_OPS)
+    moe = FusedMoE(8, 3, 32, 24, renormalize, select_ops(backend, torch.float32))
     moe.w13.data.normal_()
     moe.w2.data.normal_()
     x = torch.randn(num_tokens, 32)
@@ -109,16 +120,41 @@ def test_grouped_experts_equal_per_token(renormalize, num_tokens):
     logits[:, 5] = -1e4  # an expert nobody picks: skipped
     got = moe(x, logits)
     torch.testing.assert_close(got, _per_token_reference(moe, x, logits), rtol=1e-5, atol=1e-4)
-    weights, ids = moe.route(logits)
-    assert (ids != 5).all()
-    if renormalize:
-        torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_moe_kernels_equal_their_twins(dtype, renormalize):
+    from pagoda.ops import select_ops, torch_ops
+
+    cpu = select_ops("cpu", dtype)
+    torch.manual_seed(1)
+    for num_tokens, num_experts, top_k in ((1, 8, 2), (5, 16, 4), (70, 64, 8), (9, 4, 4)):
+        x = torch.randn(num_tokens, 48).to(dtype)
+        # Distinct logits in each row (multiples of 1/8, exact in bf16): no top-k ties,
+        # whose order torch.topk leaves open.
+        ranks = torch.stack([torch.randperm(num_experts) for _ in range(num_tokens)])
+        logits = (ranks.float() / 8 - 2).to(dtype)
+        want = torch_ops.moe_group(x, logits, top_k, renormalize)
+        got = cpu.moe_group(x, logits, top_k, renormalize)
+        assert got[3] == want[3]  # pairs per expert
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])  # order, rows
+        torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-7)  # weights
+        if renormalize:
+            sums = torch.zeros(num_tokens).index_add_(0, got[1], got[2])
+            torch.testing.assert_close(sums, torch.ones(num_tokens))
+        out = torch.randn(num_tokens * top_k, 48).to(dtype)
+        # With the same weights, the combine rounds as its twin does: bitwise equal.
+        y = cpu.moe_combine(out, want[1], want[2], num_tokens)
+        assert torch.equal(y, torch_ops.moe_combine(out, want[1], want[2], num_tokens))
+    with pytest.raises(RuntimeError, match="top_k"):
+        cpu.moe_group(x, logits, num_experts + 1, False)
 
 
 def test_grouped_experts_in_bf16_with_the_cpu_kernels():
     from pagoda.ops import select_ops
 
-    ops = select_ops("auto", torch.bfloat16)
+    ops = select_ops("cpu", torch.bfloat16)
     torch.manual_seed(0)
     moe32 = FusedMoE(8, 2, 64, 96, True, TORCH_OPS)
     moe32.w13.data.normal_(std=0.1)

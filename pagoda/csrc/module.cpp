@@ -27,6 +27,10 @@ void apply_token_bitmask(at::Tensor logits, at::Tensor rows, at::Tensor bitmask)
 bool lora_add_available();
 void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks,
               std::vector<int64_t> slice_offsets, at::Tensor segments);
+std::vector<at::Tensor> moe_group(at::Tensor x, at::Tensor router_logits, int64_t top_k,
+                                  bool renormalize);
+at::Tensor moe_combine(at::Tensor out, at::Tensor token_of, at::Tensor pair_weights,
+                       int64_t num_tokens);
 void bind_decode_loop(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -58,5 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add_available", &lora_add_available, "Whether lora_add was built (AVX-512)");
   m.def("lora_add", &lora_add,
         "y[segment rows] += x @ A[slot]^T @ B[slot]^T per slice, in place (multi-LoRA, CPU)");
+  m.def("moe_group", &moe_group,
+        "MoE routing: softmax top-k, pairs sorted by expert, rows gathered (CPU)");
+  m.def("moe_combine", &moe_combine,
+        "MoE: y[t] = sum of t's pairs' weighted expert outputs, in pair order (CPU)");
   bind_decode_loop(m);
 }

@@ -13,6 +13,9 @@
     decode_attention  gather + SDPA                 reads K/V in place via the block table
     add_lora          per segment: x @ A, @ B       short segments: shrink and expand in one
                                                     call (AVX512-BF16 or float32); long: oneDNN
+    moe_group         softmax, topk, argsort,       one pass: softmax, top-k, counting sort,
+                      index_select                  row gather
+    moe_combine       mul, index_add                one pass per token over its pairs
 
 `select_ops(kernel_backend, dtype)` builds the `Ops` a model is constructed
 with; layers call `self.ops.<primitive>` and never ask which CPU they run on.
@@ -51,6 +54,10 @@ class Ops:
     decode_attention: Callable[..., torch.Tensor]
     # (y, x, LinearLoRA, LoRAMapping) -> y += each segment's adapter product, in place
     add_lora: Callable[..., torch.Tensor]
+    # (x, router_logits, top_k, renormalize) -> (grouped x, token_of, weights, counts)
+    moe_group: Callable[..., tuple]
+    # (expert outputs, token_of, weights, num_tokens) -> y
+    moe_combine: Callable[..., torch.Tensor]
     # The C++ decode loop (csrc/decode_loop.cpp), where the kernels are built: its class,
     # and for a linear (weight, qweight, bias) its arguments there and the most rows at
     # which the loop runs it exactly as `linear`/`quant_linear` would (None: it cannot).
@@ -70,6 +77,8 @@ TORCH_OPS = Ops(
     rotary_embedding=torch_ops.rotary_embedding,
     decode_attention=torch_ops.decode_attention,
     add_lora=torch_ops.add_lora,
+    moe_group=torch_ops.moe_group,
+    moe_combine=torch_ops.moe_combine,
 )
 
 

@@ -30,6 +30,7 @@ _SOURCES = [
         "w8a8_gemm.cpp",
         "decode_loop.cpp",
         "lora.cpp",
+        "moe.cpp",
     )
 ]
 
@@ -212,6 +213,10 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
                 module.lora_add(y, x, lora.a, lora.b, lora.ranks, lora.offsets, rest)
             return y
 
+    def moe_group(x, router_logits, top_k, renormalize):
+        xs, token_of, weights, counts = module.moe_group(x, router_logits, top_k, renormalize)
+        return xs, token_of, weights, counts.tolist()
+
     def add_rms_norm(x, residual, weight, eps):
         module.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
         return x, residual
@@ -230,6 +235,8 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
         rotary_embedding=rotary_embedding,
         decode_attention=module.paged_decode_attention,
         add_lora=add_lora,
+        moe_group=moe_group,
+        moe_combine=module.moe_combine,
         decode_loop=module.DecodeLoop,
         decode_loop_linear=decode_loop_linear,
         decode_loop_lora=module.lora_add_available(),

@@ -111,3 +111,31 @@ def add_lora_segments(y, x, lora, segments) -> torch.Tensor:
                     shrunk[:, i * rank : i * rank + r], lora.b[slot, :r, offset : offset + width]
                 )
     return y
+
+
+def moe_group(
+    x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """A mixture-of-experts layer's routing and grouping: softmax (float32) over the
+    router's logits [T, E], each token's top-k (renormalized to sum 1 or not); the T*k
+    (token, expert) pairs sorted by expert, stably. Returns (x's rows in that order
+    [T*k, H], each pair's token [T*k], its routing weight [T*k] float32, the pairs
+    per expert)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    flat_ids = ids.reshape(-1)  # pair p is token p // k
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_ids, minlength=router_logits.shape[1]).tolist()
+    return x.index_select(0, token_of), token_of, weights.reshape(-1)[order], counts
+
+
+def moe_combine(
+    out: torch.Tensor, token_of: torch.Tensor, pair_weights: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """y [num_tokens, H]: each pair's expert output [T*k, H] times its routing weight,
+    summed into its token in pair order."""
+    out = out * pair_weights.to(out.dtype).unsqueeze(1)
+    return out.new_zeros(num_tokens, out.shape[1]).index_add_(0, token_of, out)

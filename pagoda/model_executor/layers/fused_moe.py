@@ -1,13 +1,16 @@
 """Mixture of experts: the router's top-k, then each expert over its own tokens only.
 
-    x [T, H] ── gate ──▶ logits [T, E] ── softmax (float32) ──▶ top-k weights, ids [T, k]
-    the T*k (token, expert) pairs, sorted by expert ──▶ one contiguous segment per expert
+    x [T, H] ── gate ──▶ logits [T, E]
+    ops.moe_group: softmax (float32), top-k; the T*k (token, expert) pairs sorted by
+                   expert, x's rows gathered so: one contiguous segment per expert
     for each expert with tokens:  seg [n, H] ── w13[e] ──▶ silu(gate) * up ── w2[e] ──▶ [n, H]
-    scaled by their routing weights, summed back into their tokens (index_add)
+    ops.moe_combine: each pair's output times its routing weight, summed into its token
 
 Sorting replaces any loop over tokens; the loop is over experts, and only those a
 token chose (at batch 1, k of them). Each expert's two products go through the
 kernel layer's `linear`, so a short segment in bf16 takes the small-batch kernel.
+The grouping and the combine are one C++ pass each on the CPU backend (their
+PyTorch twins are about ten ops), measured in benchmarks/moe.py.
 
 `expert_map` is the seam for expert parallelism: which experts this rank holds
 (all of them, today). With experts sharded, the tokens routed to another rank's
@@ -52,22 +55,10 @@ class FusedMoE(nn.Module):
         # Expert id -> where it runs; every expert here, for now (see the module doc).
         self.expert_map = list(range(num_experts))
 
-    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, E] logits -> (top-k weights in float32, expert ids), [T, k] each."""
-        probs = torch.softmax(router_logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
-
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        T, H = x.shape
-        weights, ids = self.route(router_logits)
-        flat_ids = ids.reshape(-1)  # [T*k], pair p is token p // k
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // self.top_k  # the token of each sorted pair
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        xs = x.index_select(0, token_of)  # [T*k, H], grouped by expert
+        xs, token_of, pair_weights, counts = self.ops.moe_group(
+            x, router_logits, self.top_k, self.renormalize
+        )
         out = torch.empty_like(xs)
         linear = self.ops.linear
         start = 0
@@ -78,5 +69,4 @@ class FusedMoE(nn.Module):
             gate, up = linear(seg, self.w13[expert], None).chunk(2, dim=-1)
             out[start : start + n] = linear(F.silu(gate) * up, self.w2[expert], None)
             start += n
-        out.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        return self.ops.moe_combine(out, token_of, pair_weights, x.shape[0])
