@@ -279,6 +279,13 @@ class EngineArgs:
         path, is_gguf = model_loader.resolve_model(self.model)
         hf_config = model_loader.load_hf_config(path, is_gguf)
         model_loader.check_architecture(hf_config, path)
+        if self.enable_lora and (
+            hf_config.get("num_local_experts") or hf_config.get("num_experts")
+        ):
+            raise ValueError(
+                "enable_lora: LoRA adapters on mixture-of-experts models are not supported yet "
+                f"({hf_config['architectures'][0]})."
+            )
         model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
         window = hf_config.get("sliding_window")
         if window and hf_config.get("use_sliding_window", True) and window < model_max_len:

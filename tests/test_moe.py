@@ -182,3 +182,24 @@ def test_missing_expert_is_named(moe_models, tmp_path):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing 1 expert weights of 'model\.layers\.1\.mlp"):
         LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22)
+
+
+def test_quantized_model_keeps_experts_in_full_precision(moe_models, caplog):
+    """q8_0 quantizes the attention and router linears; the experts load dequantized
+    (said in the log) and the model still follows the reference closely."""
+    folder = moe_models["mixtral"]
+    prompts, expected = _reference(folder)
+    with caplog.at_level("WARNING"):
+        llm = LLM(folder, dtype="float32", quantization="q8_0", kv_cache_memory_bytes=1 << 24)
+    assert "MoE experts are not kept quantized" in caplog.text
+    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.qweight is not None
+    assert layer.mlp.experts.w13.dtype == torch.float32
+    got = pagoda_greedy(llm, prompts, max_tokens=4)
+    first = sum(g[0] == e[0] for g, e in zip(got, expected, strict=True))
+    assert first >= 12  # of 16: q8_0 moves few first tokens
+
+
+def test_lora_on_moe_is_refused(moe_models):
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters on mixture-of-experts"):
+        LLM(moe_models["olmoe"], dtype="float32", enable_lora=True)

@@ -12,6 +12,7 @@ Hugging Face's separate weights onto them.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -28,6 +29,8 @@ from pagoda.model_executor.layers.linear import Embedding, Linear
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
 from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.ops import TORCH_OPS, Ops
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
@@ -313,7 +316,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         pending: dict[str, dict[int, torch.Tensor | QuantizedWeight]] = {}
-        experts: dict[str, dict[tuple[int, int], tuple[str, Any]]] = {}
+        experts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+        experts_dequantized = False
         for name, w in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -322,7 +326,8 @@ class LlamaForCausalLM(nn.Module):
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
             expert = _EXPERT_WEIGHT.match(name)
             if expert is not None:
-                self._stack_expert(expert, w, params, experts, loaded, dtype)
+                if self._stack_expert(expert, w, params, experts, loaded, dtype):
+                    experts_dequantized = True
                 continue
             fused = next(
                 (
@@ -352,6 +357,8 @@ class LlamaForCausalLM(nn.Module):
                 names, ws = zip(*(parts[i] for i in range(len(parts))), strict=True)
                 self._load(fused_name, list(ws), list(names), dtype)
                 loaded.add(fused_name)
+        if experts_dequantized:
+            logger.warning("MoE experts are not kept quantized (yet): loaded in %s.", dtype)
         for target, parts in experts.items():
             expected = params[target].shape[0] * (1 if target.endswith(".w2") else 2)
             raise ValueError(
@@ -372,9 +379,10 @@ class LlamaForCausalLM(nn.Module):
         elif "lm_head.weight" not in loaded:
             raise ValueError("checkpoint is missing weights: lm_head.weight")
 
-    def _stack_expert(self, match, w, params, experts, loaded, dtype) -> None:
+    def _stack_expert(self, match, w, params, experts, loaded, dtype) -> bool:
         """One expert's gate, up or down weight into its layer's stacked tensor; the
-        tensor is built once every expert's part has come."""
+        tensor is built once every expert's part has come. Returns whether the weight
+        came quantized (and was dequantized)."""
         prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
         shard = _EXPERT_SHARDS[part]
         target = f"{prefix}.{'w2' if shard == 2 else 'w13'}"
@@ -384,7 +392,8 @@ class LlamaForCausalLM(nn.Module):
         num_experts, rows = param.shape[0], param.shape[1] // (1 if shard == 2 else 2)
         if not 0 <= expert < num_experts:
             raise ValueError(f"checkpoint weight {match.group(0)!r}: only {num_experts} experts.")
-        if isinstance(w, QuantizedWeight):
+        dequantized = isinstance(w, QuantizedWeight)
+        if dequantized:  # experts are not kept quantized (yet)
             w = TORCH_OPS.dequantize(w, dtype)
         if tuple(w.shape) != (rows, param.shape[2]):
             raise ValueError(
@@ -394,7 +403,7 @@ class LlamaForCausalLM(nn.Module):
         parts = experts.setdefault(target, {})
         parts[(expert, shard % 2)] = w
         if len(parts) < num_experts * (1 if shard == 2 else 2):
-            return
+            return dequantized
         del experts[target]
         data = torch.empty(param.shape, dtype=dtype)
         for (e, half), part_w in parts.items():
@@ -402,6 +411,7 @@ class LlamaForCausalLM(nn.Module):
         module_name, attr = target.rsplit(".", 1)
         setattr(self.get_submodule(module_name), attr, nn.Parameter(data, requires_grad=False))
         loaded.add(target)
+        return dequantized
 
     def _load(
         self,
