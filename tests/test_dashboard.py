@@ -90,6 +90,46 @@ def test_snapshot_shows_waiting_and_preempted(tiny_llama):
     _run(engine)
 
 
+def test_feed_samples_only_while_watched(tiny_llama):
+    """The engine is asked for snapshots only while a page reads the feed; the latency
+    recorder keeps nothing otherwise."""
+    import asyncio
+
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.entrypoints.openai.dashboard import DashboardFeed
+
+    engine = AsyncEngine.from_engine_args(
+        EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 20)
+    )
+    try:
+        feed = DashboardFeed(engine, interval=0.05)
+
+        async def watch(num_samples: int) -> list[str]:
+            page = feed.events()
+            got = [await page.__anext__() for _ in range(2 + num_samples)]
+            await page.aclose()  # the page goes away
+            return got
+
+        async def scenario():
+            got = await watch(3)
+            assert [e.split("\n", 1)[0] for e in got] == ["event: info", "event: history"] + [
+                "event: sample"
+            ] * 3
+            await asyncio.sleep(0.3)  # the sampler sees no page at its next turn and stops
+            assert feed._task is None and not feed.recorder.active
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            async for _ in engine.generate("unwatched", params):
+                pass
+            assert not feed.recorder.ttfts  # nothing kept while nobody watched
+            second = await watch(1)  # a new page: history from before, sampling again
+            history = json.loads(second[1].split("data: ", 1)[1])
+            assert len(history) >= 3 and feed._task is not None
+
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+
+
 # ---- through a real server -----------------------------------------------------------
 
 

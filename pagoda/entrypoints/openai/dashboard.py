@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from importlib import resources
 
-from pagoda.core.stats import EngineSnapshot, IterationStats, RequestProgress
+from pagoda.core.stats import IterationStats, RequestProgress, SchedulerStats
 from pagoda.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class DashboardFeed:
         engine.engine.stat_loggers.append(self.recorder)
         self._subscribers: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
-        self._previous: tuple[float, EngineSnapshot] | None = None
+        self._previous: tuple[float, SchedulerStats] | None = None  # the last sample's
 
     def info(self) -> dict:
         """What the page shows once: the model and the cache's shape."""
@@ -185,13 +185,11 @@ class DashboardFeed:
             then, before = self._previous
             dt = max(now - then, 1e-6)
             sample["generation_tps"] = (
-                stats.num_generation_tokens - before.stats.num_generation_tokens
+                stats.num_generation_tokens - before.num_generation_tokens
             ) / dt
-            sample["prompt_tps"] = (stats.num_prompt_tokens - before.stats.num_prompt_tokens) / dt
-            sample["preemptions_per_s"] = (
-                stats.num_preemptions - before.stats.num_preemptions
-            ) / dt
-        self._previous = (now, snapshot)
+            sample["prompt_tps"] = (stats.num_prompt_tokens - before.num_prompt_tokens) / dt
+            sample["preemptions_per_s"] = (stats.num_preemptions - before.num_preemptions) / dt
+        self._previous = (now, stats)
         self.history.append(sample)
         return {
             **sample,
