@@ -1,0 +1,251 @@
+"""Triton kernels for the GPU backend, each the twin of a PyTorch reference in
+`torch_ops` (tests/test_triton_kernels.py checks every one on small shapes; without
+a GPU they run under TRITON_INTERPRET=1, so CI tests them on every commit).
+
+    primitive          kernel
+    decode_attention   split-KV (flash-decoding): a program per (sequence, KV head,
+                       split of the context) reads its blocks through the block table
+                       once for all the query heads of that KV head (GQA), keeps an
+                       online softmax, and writes a partial (max, sum, acc); a second
+                       kernel merges the splits. A few long sequences still give the
+                       GPU B x KVH x splits programs.
+    add_rms_norm       residual += x; x = RMSNorm(residual) * w: one program per row
+    rotary_embedding   rotate-half, in place, q and k heads together
+    silu_and_mul       silu(gate) * up of a fused [T, 2I] projection
+    write_kv           K and V of the step's tokens into their cache slots
+
+Shapes and layouts are the CPU path's: caches [num_blocks, block_size, KVH, D],
+block tables [B, max_blocks] int32, slots `block * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ---- decode attention --------------------------------------------------------------
+
+
+@triton.jit
+def _decode_partial(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr,  # inputs
+    m_ptr, l_ptr, acc_ptr,  # partial results [B, H, S] and [B, H, S, D]
+    scale,
+    stride_tb, stride_kn, stride_kb, stride_kh,
+    H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    heads = kvh * GROUP + tl.arange(0, GROUP_PAD)  # this KV head's query heads
+    head_ok = tl.arange(0, GROUP_PAD) < GROUP
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0)
+    q = q.to(tl.float32) * scale
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741 (the softmax's sum, as in the papers)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    first = split * BLOCKS_PER_SPLIT
+    t = tl.arange(0, BLOCK_SIZE)
+    for i in range(BLOCKS_PER_SPLIT):
+        logical = first + i
+        pos = logical * BLOCK_SIZE + t
+        ok = pos < seq_len
+        if logical * BLOCK_SIZE < seq_len:
+            block = tl.load(tables_ptr + b * stride_tb + logical)
+            base = block.to(tl.int64) * stride_kn + kvh * stride_kh
+            offs = base + t[:, None] * stride_kb + d[None, :]
+            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+            s = (
+                tl.dot(q, tl.trans(k))
+                if GROUP_PAD >= 16
+                else tl.sum(q[:, None, :] * k[None, :, :], 2)
+            )
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)  # noqa: E741
+            pv = tl.dot(p, v) if GROUP_PAD >= 16 else tl.sum(p[:, :, None] * v[None, :, :], 1)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+    out = (b * H + heads) * NUM_SPLITS + split
+    tl.store(m_ptr + out, m, mask=head_ok)
+    tl.store(l_ptr + out, l, mask=head_ok)
+    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
+def _decode_merge(
+    m_ptr, l_ptr, acc_ptr, o_ptr,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)  # b * H + h
+    s = tl.arange(0, SPLITS_PAD)
+    valid = s < NUM_SPLITS
+    m = tl.load(m_ptr + row * NUM_SPLITS + s, mask=valid, other=float("-inf"))
+    l = tl.load(l_ptr + row * NUM_SPLITS + s, mask=valid, other=0.0)  # noqa: E741
+    m_all = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # splits past the end: weight 0
+    d = tl.arange(0, D)
+    acc = tl.load(
+        acc_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0
+    )
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(o_ptr + row * D + d, o.to(o_ptr.dtype.element_ty))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`torch_ops.decode_attention`: q [B, H, D], caches [N, bs, KVH, D], block_tables
+    [B, MB], seq_lens [B] (each >= 1) -> [B, H, D]. `num_splits`: how many pieces of
+    the context run in parallel (default: enough for about 4 blocks each)."""
+    if k_scales is not None or v_scales is not None:
+        raise NotImplementedError("decode_attention (Triton): quantized KV caches")
+    B, H, D = q.shape
+    _, block_size, KVH, _ = k_cache.shape
+    if H % KVH or D & (D - 1):
+        raise ValueError(
+            f"heads {H} over {KVH} KV heads, head_dim {D}: need H % KVH == 0, D a power of 2"
+        )
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = max(1, min(16, triton.cdiv(max_blocks, 4)))
+    blocks_per_split = triton.cdiv(max_blocks, num_splits)
+    group = H // KVH
+    m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)  # noqa: E741
+    acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    _decode_partial[(B, KVH, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale,
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        H=H, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), D=D,
+        BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=blocks_per_split, NUM_SPLITS=num_splits,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _decode_merge[(B * H,)](
+        m, l, acc, out, D=D, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits)
+    )
+    return out
+
+
+# ---- the small per-layer ops ------------------------------------------------------------
+
+
+@triton.jit
+def _add_rms_norm(x_ptr, res_ptr, w_ptr, n, eps, BLOCK: tl.constexpr):
+    # Math in float32, rounded to the dtype where the twin's eager ops round (loads are
+    # widened first: bf16 arithmetic is not the same in Triton's interpreter).
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < n
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * n + c, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * n + c, mask=ok, other=0.0).to(tl.float32)
+    h = (x + r).to(dtype)  # `x + residual`
+    tl.store(res_ptr + row * n + c, h, mask=ok)
+    hf = h.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(hf * hf, 0) / n + eps)
+    normed = (hf * inv).to(dtype).to(tl.float32)  # rounded where Hugging Face rounds
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * n + c, (w * normed).to(dtype), mask=ok)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual <- x + residual, x <- RMSNorm(residual) * weight; returns both."""
+    assert x.is_contiguous() and residual.is_contiguous()
+    rows, n = x.shape
+    _add_rms_norm[(rows,)](x, residual, weight, n, eps, BLOCK=triton.next_power_of_2(n))
+    return x, residual
+
+
+@triton.jit
+def _rotary(qk_ptr, pos_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i = tl.arange(0, HALF_PAD)
+    ok = i < HALF
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    dtype = qk_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + p * HALF + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + p * HALF + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    base = qk_ptr + (t * heads + h) * 2 * HALF
+    x1 = tl.load(base + i, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    # Each product rounded to the dtype, then the sum: as the twin's eager ops do.
+    a, b = (x1 * c).to(dtype).to(tl.float32), (x2 * s).to(dtype).to(tl.float32)
+    d, e = (x2 * c).to(dtype).to(tl.float32), (x1 * s).to(dtype).to(tl.float32)
+    tl.store(base + i, (a - b).to(dtype), mask=ok)
+    tl.store(base + HALF + i, (d + e).to(dtype), mask=ok)
+
+
+def rotary_embedding(
+    qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """In place: qk [T, heads, D] rotated at positions [T]; cos/sin [max_pos, D/2]."""
+    assert qk.is_contiguous()
+    T, heads, D = qk.shape
+    half = D // 2
+    _rotary[(T, heads)](
+        qk, positions, cos, sin, heads, HALF=half, HALF_PAD=triton.next_power_of_2(half)
+    )
+    return qk
+
+
+@triton.jit
+def _silu_and_mul(x_ptr, o_ptr, inter, BLOCK: tl.constexpr):
+    row, col = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = col * BLOCK + tl.arange(0, BLOCK)
+    ok = c < inter
+    dtype = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * 2 * inter + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * inter + inter + c, mask=ok, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # F.silu rounds here
+    tl.store(o_ptr + row * inter + c, (silu * up).to(dtype), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate, up) -> silu(gate) * up [T, I]."""
+    assert x.is_contiguous()
+    T, two_inter = x.shape
+    inter = two_inter // 2
+    out = torch.empty(T, inter, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul[(T, triton.cdiv(inter, block))](x, out, inter, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # slot -1: a padding token, written nowhere
+        i = tl.arange(0, ROW_PAD)
+        ok = i < ROW
+        tl.store(kc_ptr + slot * ROW + i, tl.load(k_ptr + t * ROW + i, mask=ok), mask=ok)
+        tl.store(vc_ptr + slot * ROW + i, tl.load(v_ptr + t * ROW + i, mask=ok), mask=ok)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:  # fmt: skip
+    """k, v [T, KVH, D] into caches [N, bs, KVH, D] at slot_mapping [T] (-1: skip)."""
+    assert k.is_contiguous() and v.is_contiguous() and k_cache.is_contiguous()
+    row = k.shape[1] * k.shape[2]
+    _write_kv[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, ROW=row, ROW_PAD=triton.next_power_of_2(row)
+    )

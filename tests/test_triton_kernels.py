@@ -1,0 +1,116 @@
+"""The Triton kernels (pagoda/ops/triton_ops.py) against their PyTorch twins, on small
+shapes. Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set here
+before the kernels are defined), so every commit tests them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from pagoda.ops import torch_ops, triton_ops  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _paged_cache(lens, block_size, kv_heads, head_dim, dtype, seed):
+    """Caches with the sequences' blocks scattered over a pool (holes between them,
+    garbage in unused entries) and the block tables that find them."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = 3 * len(lens) * max_blocks + 5
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(lens), max_blocks), 10**6, dtype=torch.int32)  # past the pool
+    used = 0
+    for b, n in enumerate(lens):
+        need = -(-n // block_size)
+        tables[b, :need] = free[used : used + need].int()
+        used += need
+    return k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "block_size, head_dim, heads, kv_heads",
+    [(16, 64, 4, 4), (16, 128, 6, 2), (32, 64, 8, 1), (32, 128, 3, 1)],
+    ids=["gqa1-bs16-d64", "gqa3-bs16-d128", "gqa8-bs32-d64", "gqa3-bs32-d128"],
+)
+def test_decode_attention(dtype, block_size, head_dim, heads, kv_heads):
+    lens = [1, block_size, 3 * block_size + 5, 37]  # ragged, on and off block edges
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, kv_heads, head_dim, dtype, 0)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    safe_tables = tables.clamp(max=k_cache.shape[0] - 1)  # the twin gathers every entry
+    want = torch_ops.decode_attention(q, k_cache, v_cache, safe_tables, seq_lens, scale)
+    on = [t.to(DEVICE) for t in (q, k_cache, v_cache, tables, seq_lens)]
+    for num_splits in (None, 1, 3):  # one split, uneven splits, splits past the end
+        got = triton_ops.decode_attention(*on, scale, num_splits=num_splits)
+        torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm(dtype):
+    x = torch.randn(5, 96).to(dtype)
+    residual = torch.randn(5, 96).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    want_x, want_r = torch_ops.add_rms_norm(x, residual, weight, 1e-5)
+    got_x, got_r = triton_ops.add_rms_norm(
+        x.clone().to(DEVICE), residual.clone().to(DEVICE), weight.to(DEVICE), 1e-5
+    )
+    # To a bf16 unit in the last place: the interpreter's float32 -> bf16 conversion
+    # truncates where a GPU rounds to nearest.
+    torch.testing.assert_close(got_r.cpu(), want_r, **TOL[dtype])
+    torch.testing.assert_close(got_x.cpu(), want_x, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_rotary_embedding(dtype, head_dim):
+    T, heads, max_pos = 7, 5, 64
+    qk = torch.randn(T, heads, head_dim).to(dtype)
+    positions = torch.tensor([0, 3, 63, 10, 11, 12, 1])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    want = torch_ops.rotary_embedding(qk, positions, cos, sin)
+    got = triton_ops.rotary_embedding(
+        qk.clone().to(DEVICE), positions.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
+    )
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = torch.randn(4, 2 * 1100).to(dtype)  # 1100: two column blocks, the last ragged
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = triton_ops.silu_and_mul(x.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv(dtype):
+    num_blocks, block_size, kv_heads, head_dim = 6, 16, 2, 64
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(4, kv_heads, head_dim).to(dtype)
+    v = torch.randn(4, kv_heads, head_dim).to(dtype)
+    slots = torch.tensor([5 * 16 + 3, 0, -1, 2 * 16 + 15])  # -1: padding, written nowhere
+    kc, vc = k_cache.clone().to(DEVICE), v_cache.clone().to(DEVICE)
+    triton_ops.write_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k.view(-1, kv_heads, head_dim)[slot] = k[i]
+            want_v.view(-1, kv_heads, head_dim)[slot] = v[i]
+    assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
