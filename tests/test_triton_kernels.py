@@ -59,6 +59,43 @@ def test_decode_attention(dtype, block_size, head_dim, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "block_size, head_dim, heads, kv_heads",
+    [(16, 64, 4, 4), (32, 128, 6, 2), (16, 64, 8, 1)],
+    ids=["gqa1-bs16-d64", "gqa3-bs32-d128", "gqa8-bs16-d64"],
+)
+def test_prefill_attention(dtype, block_size, head_dim, heads, kv_heads):
+    # (context already cached, chunk length): fresh prompts, a chunk after a cached
+    # prefix, chunks longer than one query block, a one-token chunk.
+    chunks = [(0, 5), (block_size + 3, 20), (0, 37), (2 * block_size, 1)]
+    lens = [ctx + qlen for ctx, qlen in chunks]
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, kv_heads, head_dim, dtype, 1)
+    qlens = [qlen for _, qlen in chunks]
+    starts = [sum(qlens[:i]) for i in range(len(qlens))]
+    q = torch.randn(sum(qlens), heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    want = torch.empty_like(q)
+    for (ctx, qlen), start, table in zip(chunks, starts, tables, strict=True):
+        blocks = table[: -(-(ctx + qlen) // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[: ctx + qlen]
+        values = v_cache[blocks].flatten(0, 1)[: ctx + qlen]
+        mask = torch.ones(qlen, ctx + qlen, dtype=torch.bool).tril(ctx)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[start : start + qlen].transpose(0, 1).unsqueeze(0).float(),
+            keys.transpose(0, 1).unsqueeze(0).float(),
+            values.transpose(0, 1).unsqueeze(0).float(),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        want[start : start + qlen] = o.squeeze(0).transpose(0, 1).to(dtype)
+    meta = [torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in (starts, qlens)]
+    ctxs = torch.tensor([c for c, _ in chunks], dtype=torch.int32, device=DEVICE)
+    got = triton_ops.prefill_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), *meta, ctxs, tables.to(DEVICE), scale
+    )
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm(dtype):
     x = torch.randn(5, 96).to(dtype)
     residual = torch.randn(5, 96).to(dtype)

@@ -3,6 +3,9 @@
 a GPU they run under TRITON_INTERPRET=1, so CI tests them on every commit).
 
     primitive          kernel
+    prefill_attention  varlen causal attention of prefill chunks over their paged
+                       context: a program per (chunk, head, 16 queries), online softmax
+                       over the blocks up to its last query's position
     decode_attention   split-KV (flash-decoding): a program per (sequence, KV head,
                        split of the context) reads its blocks through the block table
                        once for all the query heads of that KV head (GQA), keeps an
@@ -138,6 +141,91 @@ def decode_attention(
     _decode_merge[(B * H,)](
         m, l, acc, out, D=D, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits)
     )
+    return out
+
+
+@triton.jit
+def _prefill_attention(
+    q_ptr, k_ptr, v_ptr, o_ptr, starts_ptr, qlens_ptr, ctx_ptr, tables_ptr,
+    scale,
+    stride_tb, stride_kn, stride_kb, stride_kh,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    chunk, h, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    qlen = tl.load(qlens_ptr + chunk)
+    if mblock * BLOCK_M < qlen:
+        start = tl.load(starts_ptr + chunk).to(tl.int64)
+        ctx = tl.load(ctx_ptr + chunk)
+        kvh = h // GROUP
+        rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)  # query i of the chunk
+        row_ok = rows < qlen
+        d = tl.arange(0, D)
+        q_offs = ((start + rows) * H + h)[:, None] * D + d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0).to(tl.float32) * scale
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        # Query i sits at position ctx + i and sees keys 0 .. ctx + i.
+        last = ctx + tl.minimum(qlen, (mblock + 1) * BLOCK_M) - 1
+        t = tl.arange(0, BLOCK_SIZE)
+        for logical in range(0, tl.cdiv(last + 1, BLOCK_SIZE)):
+            block = tl.load(tables_ptr + chunk * stride_tb + logical)
+            pos = logical * BLOCK_SIZE + t
+            key_ok = pos <= last
+            offs = (
+                block.to(tl.int64) * stride_kn
+                + kvh * stride_kh
+                + t[:, None] * stride_kb
+                + d[None, :]
+            )
+            k = tl.load(k_ptr + offs, mask=key_ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=key_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k))
+            visible = (pos[None, :] <= (ctx + rows)[:, None]) & key_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows past qlen see nothing
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l = l * alpha + tl.sum(p, 1)  # noqa: E741
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m = m_new
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(o_ptr + q_offs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill chunks over their paged context, causal, varlen: chunk c's queries are
+    q[query_starts[c] : + query_lens[c]] [.., H, D], at positions context_lens[c] + i,
+    each seeing its request's keys up to its own position (this step's K/V already
+    written to the caches [N, bs, KVH, D]; block_tables [C, MB]). Returns [T, H, D]
+    (rows of no chunk untouched: uninitialized)."""
+    T, H, D = q.shape
+    _, block_size, KVH, _ = k_cache.shape
+    if H % KVH or D & (D - 1) or D < 16 or block_size < 16:
+        raise ValueError(f"heads {H}/{KVH}, head_dim {D}, block_size {block_size} unsupported")
+    block_m = 16
+    max_qlen = int(query_lens.max()) if len(query_lens) else 0
+    out = torch.empty_like(q)
+    if max_qlen == 0:
+        return out
+    q = q.contiguous()
+    grid = (len(query_lens), H, triton.cdiv(max_qlen, block_m))
+    _prefill_attention[grid](
+        q, k_cache, v_cache, out, query_starts, query_lens, context_lens, block_tables, scale,
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        H=H, GROUP=H // KVH, D=D, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+    )  # fmt: skip
     return out
 
 
