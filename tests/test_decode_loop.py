@@ -66,3 +66,43 @@ def test_not_built_where_it_cannot_run_as_eager(tiny_llama):
     assert not used
     used, _ = run(tiny_llama, [[5, 6, 7]], False, dtype="float32", kernel_backend="torch")
     assert not used
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    from tests.conftest import make_model
+
+    root = tmp_path_factory.mktemp("moe-loop")
+    return {
+        "mixtral": make_model(str(root / "mixtral"), "mixtral"),
+        # A shared expert and a dense layer 0 among the sparse ones.
+        "qwen2_moe": make_model(str(root / "qwen2_moe"), "qwen2_moe", mlp_only_layers=[0]),
+        "olmoe": make_model(str(root / "olmoe"), "olmoe"),
+    }
+
+
+@pytest.mark.parametrize(
+    "arch, kwargs, max_rows",
+    [
+        ("mixtral", {"dtype": "float32"}, 16),
+        ("mixtral", {"dtype": "bfloat16"}, 8),
+        ("qwen2_moe", {"dtype": "bfloat16"}, 8),
+        ("qwen2_moe", {"dtype": "bfloat16", "quantization": "q8_0"}, 8),  # experts stay bf16
+    ],
+)
+@pytest.mark.parametrize("batch", [1, 5, 12])
+def test_decode_loop_runs_moe_layers_as_eager(moe_models, arch, kwargs, max_rows, batch):
+    if kwargs["dtype"] == "bfloat16" and not cpu.load().small_gemm_available():
+        pytest.skip("no AVX512-BF16: bf16 linears are not the loop's")
+    prompts = tiny_prompts(LLM(moe_models[arch]).get_tokenizer(), batch, seed=batch)
+    used, got = run(moe_models[arch], prompts, False, **kwargs)
+    assert used == max_rows
+    _, want = run(moe_models[arch], prompts, True, **kwargs)
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+
+
+def test_decode_loop_not_built_for_qk_norms(moe_models):
+    used, _ = run(moe_models["olmoe"], [[5, 6, 7]], False, dtype="float32")
+    assert not used  # OLMoE's q/k norms are not in the loop

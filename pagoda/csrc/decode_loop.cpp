@@ -3,6 +3,9 @@
 // so each row's result is bitwise what eager mode gives; what goes away is the Python
 // between them (about 40 module calls, views and dispatches per layer).
 //
+// Mixture-of-experts layers run here too, as FusedMoE does: moe_group, each chosen
+// expert's two products, moe_combine, then a shared expert if there is one.
+//
 // Built once per engine (LlamaModel.build_decode_loop) from the loaded weights
 // and the KV cache tensors, for steps where every row is a decode row (one query token
 // at its own position, drafts included) and at most 8 rows run: the kernels' small-batch
@@ -28,6 +31,10 @@ at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
 void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks,
               std::vector<int64_t> slice_offsets, at::Tensor segments);
+std::vector<at::Tensor> moe_group(at::Tensor x, at::Tensor router_logits, int64_t top_k,
+                                  bool renormalize);
+at::Tensor moe_combine(at::Tensor out, at::Tensor token_of, at::Tensor pair_weights,
+                       int64_t num_tokens);
 
 namespace {
 
@@ -63,11 +70,27 @@ struct Linear {
   }
 };
 
+// A mixture-of-experts MLP (models/llama.py's SparseMoeBlock and FusedMoE): the router,
+// the stacked experts, and Qwen2-MoE's gated shared expert (indices -1 without one).
+struct MoE {
+  int64_t router;
+  at::Tensor w13, w2;  // [E, 2I, H], [E, H, I]
+  int64_t top_k;
+  bool renormalize;
+  int64_t shared_gate_up, shared_down, shared_gate;
+};
+
 struct Layer {
-  int64_t qkv, o, gate_up, down;  // indices into DecodeLoop::linears
+  int64_t qkv, o, gate_up, down;  // indices into DecodeLoop::linears (MLP: -1 with moe)
   at::Tensor input_norm, post_attention_norm;
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, KVH, D]
+  c10::optional<MoE> moe;
 };
+
+// A dense linear of a few rows, as pagoda.ops.cpu's `linear` takes it.
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
+  return x.scalar_type() == at::kBFloat16 ? small_gemm(x, w, c10::nullopt) : at::linear(x, w);
+}
 
 }  // namespace
 
@@ -96,10 +119,22 @@ class DecodeLoop {
   void add_layer(int64_t qkv, int64_t o, int64_t gate_up, int64_t down, at::Tensor input_norm,
                  at::Tensor post_attention_norm, at::Tensor k_cache, at::Tensor v_cache) {
     const int64_t n = static_cast<int64_t>(linears_.size());
-    for (int64_t i : {qkv, o, gate_up, down}) TORCH_CHECK(i >= 0 && i < n, "no linear ", i);
+    for (int64_t i : {qkv, o}) TORCH_CHECK(i >= 0 && i < n, "no linear ", i);
+    for (int64_t i : {gate_up, down}) TORCH_CHECK(i >= -1 && i < n, "no linear ", i);
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == KVH_ && k_cache.size(3) == D_,
                 "k_cache must be [blocks, block_size, KVH, D]");
-    layers_.push_back({qkv, o, gate_up, down, input_norm, post_attention_norm, k_cache, v_cache});
+    layers_.push_back({qkv, o, gate_up, down, input_norm, post_attention_norm, k_cache, v_cache,
+                       c10::nullopt});
+  }
+
+  // The last added layer's MLP becomes a mixture of experts (add_layer with gate_up and
+  // down of -1 first). shared_*: Qwen2-MoE's shared expert, or -1.
+  void set_moe(int64_t router, at::Tensor w13, at::Tensor w2, int64_t top_k, bool renormalize,
+               int64_t shared_gate_up, int64_t shared_down, int64_t shared_gate) {
+    TORCH_CHECK(!layers_.empty(), "set_moe: no layer");
+    TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0), "set_moe: bad experts");
+    layers_.back().moe = MoE{router, w13, w2, top_k, renormalize, shared_gate_up, shared_down,
+                             shared_gate};
   }
 
   // x: [T, hidden], the embedded tokens (written over) -> the final norm's output.
@@ -130,6 +165,10 @@ class DecodeLoop {
                                                   seq_lens, scale_, c10::nullopt, c10::nullopt);
       h = linears_[L.o](o.reshape({T, q_size}), seg);
       fused_add_rms_norm(h, residual, L.post_attention_norm, eps_);
+      if (L.moe.has_value()) {
+        x = moe(*L.moe, h, seg);
+        continue;
+      }
       const std::vector<at::Tensor> gate_up = linears_[L.gate_up](h, seg).chunk(2, -1);
       x = linears_[L.down](at::silu(gate_up[0]) * gate_up[1], seg);
     }
@@ -138,6 +177,31 @@ class DecodeLoop {
   }
 
  private:
+  // SparseMoeBlock.forward: the chosen experts over their rows, then the shared expert.
+  at::Tensor moe(const MoE& M, const at::Tensor& h, const c10::optional<at::Tensor>& seg) const {
+    const at::Tensor logits = linears_[M.router](h, seg);
+    const std::vector<at::Tensor> grouped = moe_group(h, logits, M.top_k, M.renormalize);
+    const at::Tensor& xs = grouped[0];
+    const at::Tensor counts = grouped[3];
+    const int64_t* cp = counts.data_ptr<int64_t>();
+    at::Tensor out = at::empty_like(xs);
+    int64_t start = 0;
+    for (int64_t e = 0; e < counts.size(0); ++e) {
+      const int64_t n = cp[e];
+      if (n == 0) continue;
+      const std::vector<at::Tensor> gate_up = dense(xs.narrow(0, start, n), M.w13[e]).chunk(2, -1);
+      out.narrow(0, start, n).copy_(dense(at::silu(gate_up[0]) * gate_up[1], M.w2[e]));
+      start += n;
+    }
+    at::Tensor y = moe_combine(out, grouped[1], grouped[2], h.size(0));
+    if (M.shared_gate_up >= 0) {
+      const std::vector<at::Tensor> gate_up = linears_[M.shared_gate_up](h, seg).chunk(2, -1);
+      const at::Tensor shared = linears_[M.shared_down](at::silu(gate_up[0]) * gate_up[1], seg);
+      y = y + at::sigmoid(linears_[M.shared_gate](h, seg)) * shared;
+    }
+    return y;
+  }
+
   int64_t H_, KVH_, D_;
   double scale_, eps_;
   at::Tensor cos_, sin_, final_norm_;
@@ -159,6 +223,9 @@ void bind_decode_loop(py::module_& m) {
       .def("set_lora", &DecodeLoop::set_lora, py::arg("linear"), py::arg("a"), py::arg("b"),
            py::arg("ranks"), py::arg("offsets"))
       .def("add_layer", &DecodeLoop::add_layer)
+      .def("set_moe", &DecodeLoop::set_moe, py::arg("router"), py::arg("w13"), py::arg("w2"),
+           py::arg("top_k"), py::arg("renormalize"), py::arg("shared_gate_up"),
+           py::arg("shared_down"), py::arg("shared_gate"))
       .def("run", &DecodeLoop::run, "The decode step's layers and final norm (x written over)",
            py::arg("x"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
            py::arg("seq_lens"), py::arg("lora_segments") = py::none(),

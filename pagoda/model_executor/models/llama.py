@@ -187,12 +187,12 @@ class LlamaModel(nn.Module):
         `forward` (bitwise the same result) and no Python between them. Call once the
         weights are loaded and the KV cache is bound. It is built only if the kernels
         are, the cache is unquantized, and every linear is one the loop runs as the
-        kernel layer would. Returns the most rows it takes (0: not built)."""
+        kernel layer would; MoE layers run there too (not OLMoE's q/k norms). Returns
+        the most rows it takes (0: not built)."""
         ops = self.ops
         if ops.decode_loop is None or any(
             layer.self_attn.attn.kv.quantized
-            or not isinstance(layer.mlp, LlamaMLP)  # the loop runs dense MLPs only
-            or layer.self_attn.q_norm is not None
+            or layer.self_attn.q_norm is not None  # OLMoE's q/k norms: not in the loop
             or layer.self_attn.clip_qkv is not None
             for layer in self.layers
         ):
@@ -209,25 +209,30 @@ class LlamaModel(nn.Module):
             self.norm.weight,
         )
         max_rows = None
+
+        def add(linear: Linear) -> int | None:
+            """The linear's index in the loop, or None if the loop cannot run it."""
+            nonlocal max_rows
+            spec = ops.decode_loop_linear(linear.weight, linear.qweight, linear.bias)
+            if spec is None:
+                return None
+            args, rows = spec
+            max_rows = rows if max_rows is None else min(max_rows, rows)
+            index = loop.add_linear(*args)
+            if linear.lora is not None:  # adapter slots, added as ops.add_lora adds them
+                if not ops.decode_loop_lora:
+                    return None
+                lora = linear.lora
+                loop.set_lora(index, lora.a, lora.b, lora.ranks, lora.offsets)
+            return index
+
         for layer in self.layers:
-            linears = []
-            for linear in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            ):
-                spec = ops.decode_loop_linear(linear.weight, linear.qweight, linear.bias)
-                if spec is None:
-                    return 0
-                args, rows = spec
-                max_rows = rows if max_rows is None else min(max_rows, rows)
-                linears.append(loop.add_linear(*args))
-                if linear.lora is not None:  # adapter slots, added as ops.add_lora adds them
-                    if not ops.decode_loop_lora:
-                        return 0
-                    lora = linear.lora
-                    loop.set_lora(linears[-1], lora.a, lora.b, lora.ranks, lora.offsets)
+            mlp = layer.mlp
+            dense = isinstance(mlp, LlamaMLP)
+            linears = [add(layer.self_attn.qkv_proj), add(layer.self_attn.o_proj)]
+            linears += [add(mlp.gate_up_proj), add(mlp.down_proj)] if dense else [-1, -1]
+            if None in linears:
+                return 0
             kv = layer.self_attn.attn.kv
             loop.add_layer(
                 *linears,
@@ -235,6 +240,28 @@ class LlamaModel(nn.Module):
                 layer.post_attention_layernorm.weight,
                 kv.k,
                 kv.v,
+            )
+            if dense:
+                continue
+            experts = mlp.experts
+            # The experts' products: dense linears of their own (the loop's `dense`).
+            spec = ops.decode_loop_linear(experts.w13[0], None, None)
+            if spec is None:
+                return 0
+            max_rows = min(max_rows, spec[1])
+            shared = [-1, -1, -1]
+            if mlp.shared_expert is not None:
+                shared_mlp = mlp.shared_expert
+                shared = [
+                    add(shared_mlp.gate_up_proj),
+                    add(shared_mlp.down_proj),
+                    add(mlp.shared_expert_gate),
+                ]
+            router = add(mlp.gate)
+            if router is None or None in shared:
+                return 0
+            loop.set_moe(
+                router, experts.w13, experts.w2, experts.top_k, experts.renormalize, *shared
             )
         self.decode_loop, self.decode_loop_max_rows = loop, max_rows
         return max_rows
