@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "float_dtypes.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -13,12 +15,9 @@
 
 namespace {
 
-template <typename T>
-inline float to_f(T v) { return static_cast<float>(v); }
-
-// Rounds to T and back: where the eager code stores a T intermediate.
-template <typename T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+using pagoda_dtypes::dispatch;
+using pagoda_dtypes::round_to;
+using pagoda_dtypes::to_f;
 
 // out = w * T(h * rsqrt(mean(h^2) + eps)), h = float(x): HF's LlamaRMSNorm.
 template <typename T>
@@ -29,13 +28,6 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i)
     out[i] = static_cast<T>(to_f(w[i]) * round_to<T>(to_f(x[i]) * inv_rms));
-}
-
-template <typename F>
-void dispatch(const at::Tensor& t, const char* name, F&& f) {
-  if (t.scalar_type() == at::kFloat) f(float{});
-  else if (t.scalar_type() == at::kBFloat16) f(at::BFloat16{});
-  else TORCH_CHECK(false, name, ": float32 or bfloat16 only");
 }
 
 // Products and sums rounded one at a time, like eager PyTorch (no fused multiply-add).

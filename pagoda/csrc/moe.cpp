@@ -13,6 +13,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "float_dtypes.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,18 +22,9 @@
 
 namespace {
 
-template <typename T>
-inline float to_f(T v) { return static_cast<float>(v); }
-
-template <typename T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
-
-template <typename F>
-void dispatch_float(const at::Tensor& t, const char* name, F&& f) {
-  if (t.scalar_type() == at::kFloat) f(float{});
-  else if (t.scalar_type() == at::kBFloat16) f(at::BFloat16{});
-  else TORCH_CHECK(false, name, ": float32 or bfloat16 only");
-}
+using pagoda_dtypes::dispatch;
+using pagoda_dtypes::round_to;
+using pagoda_dtypes::to_f;
 
 // One token's top-k of softmax(logits): ids in descending probability (lowest id first
 // among equals), their probabilities (renormalized to sum 1 if asked).
@@ -84,7 +77,7 @@ std::vector<at::Tensor> moe_group(at::Tensor x, at::Tensor router_logits, int64_
   const int64_t P = T * top_k;
   std::vector<int64_t> ids(P);
   std::vector<float> weights(P);
-  dispatch_float(router_logits, "moe_group", [&](auto tag) {
+  dispatch(router_logits, "moe_group", [&](auto tag) {
     using L = decltype(tag);
     const L* lp = router_logits.data_ptr<L>();
     at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
@@ -141,7 +134,7 @@ at::Tensor moe_combine(at::Tensor out, at::Tensor token_of, at::Tensor pair_weig
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t p = 0; p < P; ++p) pairs[fill[tp[p]]++] = p;
   auto y = at::empty({num_tokens, H}, out.options());
-  dispatch_float(out, "moe_combine", [&](auto tag) {
+  dispatch(out, "moe_combine", [&](auto tag) {
     using T = decltype(tag);
     const T* op = out.data_ptr<T>();
     T* yp = y.data_ptr<T>();
