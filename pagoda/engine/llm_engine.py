@@ -337,7 +337,7 @@ class LLMEngine:
 
     def snapshot(self, max_requests: int = 256) -> EngineSnapshot:
         """The stats, the KV block map and (at most `max_requests` of) the requests'
-        progress, for the dashboard. Costs about 1 ms per 20,000 blocks."""
+        progress, for the dashboard (about 1 ms with 11,650 blocks and 64 requests)."""
         scheduler = self.scheduler
         return EngineSnapshot(
             self.get_stats(),
