@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.ops import Ops
 
 
@@ -52,21 +53,40 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
         )
+        # Quantized experts (set_quantized): one QuantizedWeight per expert in place of
+        # the stacked tensor, multiplied by the kernel layer's quant_linear.
+        self.q13: list[QuantizedWeight] | None = None
+        self.q2: list[QuantizedWeight] | None = None
         # Expert id -> where it runs; every expert here, for now (see the module doc).
         self.expert_map = list(range(num_experts))
+
+    @property
+    def quantized(self) -> bool:
+        return self.q13 is not None or self.q2 is not None
+
+    def set_quantized(self, name: str, weights: list[QuantizedWeight]) -> None:
+        """Keep the experts' `name` ("w13" or "w2") quantized, one weight per expert."""
+        if len(weights) != self.num_experts:
+            raise ValueError(
+                f"{name}: {len(weights)} experts' weights, expected {self.num_experts}"
+            )
+        setattr(self, "q13" if name == "w13" else "q2", weights)
+        self.register_parameter(name, None)  # no stacked tensor
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         xs, token_of, pair_weights, counts = self.ops.moe_group(
             x, router_logits, self.top_k, self.renormalize
         )
         out = torch.empty_like(xs)
-        linear = self.ops.linear
+        ops = self.ops
+        w13, linear13 = (self.q13, ops.quant_linear) if self.q13 else (self.w13, ops.linear)
+        w2, linear2 = (self.q2, ops.quant_linear) if self.q2 else (self.w2, ops.linear)
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
             seg = xs[start : start + n]
-            gate, up = linear(seg, self.w13[expert], None).chunk(2, dim=-1)
-            out[start : start + n] = linear(F.silu(gate) * up, self.w2[expert], None)
+            gate, up = linear13(seg, w13[expert], None).chunk(2, dim=-1)
+            out[start : start + n] = linear2(F.silu(gate) * up, w2[expert], None)
             start += n
         return self.ops.moe_combine(out, token_of, pair_weights, x.shape[0])

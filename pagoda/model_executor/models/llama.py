@@ -244,6 +244,8 @@ class LlamaModel(nn.Module):
             if dense:
                 continue
             experts = mlp.experts
+            if experts.quantized:  # the loop's experts are dense tensors
+                return 0
             # The experts' products: dense linears of their own (the loop's `dense`).
             spec = ops.decode_loop_linear(experts.w13[0], None, None)
             if spec is None:
@@ -385,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
                 self._load(fused_name, list(ws), list(names), dtype)
                 loaded.add(fused_name)
         if experts_dequantized:
-            logger.warning("MoE experts are not kept quantized (yet): loaded in %s.", dtype)
+            logger.warning("MoE experts came partly quantized: all loaded in %s.", dtype)
         for target, parts in experts.items():
             expected = params[target].shape[0] * (1 if target.endswith(".w2") else 2)
             raise ValueError(
@@ -407,9 +409,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("checkpoint is missing weights: lm_head.weight")
 
     def _stack_expert(self, match, w, params, experts, loaded, dtype) -> bool:
-        """One expert's gate, up or down weight into its layer's stacked tensor; the
-        tensor is built once every expert's part has come. Returns whether the weight
-        came quantized (and was dequantized)."""
+        """One expert's gate, up or down weight into its layer's experts; they are set
+        once every expert's part has come: kept quantized, one weight per expert, when
+        all came quantized, else stacked into one tensor in `dtype`. Returns whether a
+        quantized weight was dequantized (some came quantized and some not)."""
         prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
         shard = _EXPERT_SHARDS[part]
         target = f"{prefix}.{'w2' if shard == 2 else 'w13'}"
@@ -419,9 +422,6 @@ class LlamaForCausalLM(nn.Module):
         num_experts, rows = param.shape[0], param.shape[1] // (1 if shard == 2 else 2)
         if not 0 <= expert < num_experts:
             raise ValueError(f"checkpoint weight {match.group(0)!r}: only {num_experts} experts.")
-        dequantized = isinstance(w, QuantizedWeight)
-        if dequantized:  # experts are not kept quantized (yet)
-            w = TORCH_OPS.dequantize(w, dtype)
         if tuple(w.shape) != (rows, param.shape[2]):
             raise ValueError(
                 f"weight {match.group(0)!r} has shape {tuple(w.shape)}, "
@@ -430,15 +430,27 @@ class LlamaForCausalLM(nn.Module):
         parts = experts.setdefault(target, {})
         parts[(expert, shard % 2)] = w
         if len(parts) < num_experts * (1 if shard == 2 else 2):
-            return dequantized
+            return False
         del experts[target]
+        loaded.add(target)
+        module_name, attr = target.rsplit(".", 1)
+        moe = self.get_submodule(module_name)
+        quantized = [isinstance(part_w, QuantizedWeight) for part_w in parts.values()]
+        if all(quantized):
+            halves = 1 if shard == 2 else 2
+            moe.set_quantized(
+                attr,
+                [QuantizedWeight.cat([parts[(e, h)] for h in range(halves)]) if halves > 1
+                 else parts[(e, 0)] for e in range(num_experts)],
+            )  # fmt: skip
+            return False
         data = torch.empty(param.shape, dtype=dtype)
         for (e, half), part_w in parts.items():
+            if isinstance(part_w, QuantizedWeight):
+                part_w = TORCH_OPS.dequantize(part_w, dtype)
             data[e, half * rows : (half + 1) * rows].copy_(part_w)
-        module_name, attr = target.rsplit(".", 1)
-        setattr(self.get_submodule(module_name), attr, nn.Parameter(data, requires_grad=False))
-        loaded.add(target)
-        return dequantized
+        setattr(moe, attr, nn.Parameter(data, requires_grad=False))
+        return any(quantized)
 
     def _load(
         self,
