@@ -80,11 +80,19 @@ struct MoE {
   int64_t shared_gate_up, shared_down, shared_gate;
 };
 
+// OLMoE's RMSNorm over the whole q and k projections, then q, k, v clamped (clip_qkv
+// <= 0: no clamp), as LlamaAttention._norm_and_clip does.
+struct QKNorm {
+  at::Tensor q_weight, k_weight;
+  double clip;
+};
+
 struct Layer {
   int64_t qkv, o, gate_up, down;  // indices into DecodeLoop::linears (MLP: -1 with moe)
   at::Tensor input_norm, post_attention_norm;
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, KVH, D]
   c10::optional<MoE> moe;
+  c10::optional<QKNorm> qk_norm;
 };
 
 // A dense linear of a few rows, as pagoda.ops.cpu's `linear` takes it.
@@ -124,7 +132,13 @@ class DecodeLoop {
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == KVH_ && k_cache.size(3) == D_,
                 "k_cache must be [blocks, block_size, KVH, D]");
     layers_.push_back({qkv, o, gate_up, down, input_norm, post_attention_norm, k_cache, v_cache,
-                       c10::nullopt});
+                       c10::nullopt, c10::nullopt});
+  }
+
+  // The last added layer's attention normalizes q and k (OLMoE); clip <= 0: no clamp.
+  void set_qk_norm(at::Tensor q_weight, at::Tensor k_weight, double clip) {
+    TORCH_CHECK(!layers_.empty(), "set_qk_norm: no layer");
+    layers_.back().qk_norm = QKNorm{q_weight, k_weight, clip};
   }
 
   // The last added layer's MLP becomes a mixture of experts (add_layer with gate_up and
@@ -155,7 +169,9 @@ class DecodeLoop {
         fused_add_rms_norm(x, residual, L.input_norm, eps_);
         h = x;
       }
-      const std::vector<at::Tensor> qkv = linears_[L.qkv](h, seg).split({q_size + kv_size, kv_size}, -1);
+      at::Tensor qkv_out = linears_[L.qkv](h, seg);
+      if (L.qk_norm.has_value()) qkv_out = norm_and_clip(*L.qk_norm, qkv_out, q_size, kv_size);
+      const std::vector<at::Tensor> qkv = qkv_out.split({q_size + kv_size, kv_size}, -1);
       const at::Tensor qk = qkv[0].view({T, H_ + KVH_, D_});
       rotary_embedding(qk, positions, cos_, sin_);
       const std::vector<at::Tensor> q_k = qk.split({H_, KVH_}, 1);
@@ -177,6 +193,16 @@ class DecodeLoop {
   }
 
  private:
+  at::Tensor norm_and_clip(const QKNorm& N, const at::Tensor& qkv, int64_t q_size,
+                           int64_t kv_size) const {
+    const std::vector<at::Tensor> parts = qkv.split({q_size, kv_size, kv_size}, -1);
+    at::Tensor out = at::cat({rms_norm(parts[0].contiguous(), N.q_weight, eps_),
+                              rms_norm(parts[1].contiguous(), N.k_weight, eps_), parts[2]},
+                             -1);
+    if (N.clip > 0) out.clamp_(-N.clip, N.clip);
+    return out;
+  }
+
   // SparseMoeBlock.forward: the chosen experts over their rows, then the shared expert.
   at::Tensor moe(const MoE& M, const at::Tensor& h, const c10::optional<at::Tensor>& seg) const {
     const at::Tensor logits = linears_[M.router](h, seg);
@@ -223,6 +249,8 @@ void bind_decode_loop(py::module_& m) {
       .def("set_lora", &DecodeLoop::set_lora, py::arg("linear"), py::arg("a"), py::arg("b"),
            py::arg("ranks"), py::arg("offsets"))
       .def("add_layer", &DecodeLoop::add_layer)
+      .def("set_qk_norm", &DecodeLoop::set_qk_norm, py::arg("q_weight"), py::arg("k_weight"),
+           py::arg("clip"))
       .def("set_moe", &DecodeLoop::set_moe, py::arg("router"), py::arg("w13"), py::arg("w2"),
            py::arg("top_k"), py::arg("renormalize"), py::arg("shared_gate_up"),
            py::arg("shared_down"), py::arg("shared_gate"))

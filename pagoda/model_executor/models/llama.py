@@ -187,13 +187,14 @@ class LlamaModel(nn.Module):
         `forward` (bitwise the same result) and no Python between them. Call once the
         weights are loaded and the KV cache is bound. It is built only if the kernels
         are, the cache is unquantized, and every linear is one the loop runs as the
-        kernel layer would; MoE layers run there too (not OLMoE's q/k norms). Returns
+        kernel layer would; MoE layers and OLMoE's q/k norms run there too. Returns
         the most rows it takes (0: not built)."""
         ops = self.ops
         if ops.decode_loop is None or any(
             layer.self_attn.attn.kv.quantized
-            or layer.self_attn.q_norm is not None  # OLMoE's q/k norms: not in the loop
-            or layer.self_attn.clip_qkv is not None
+            # The loop clamps q/k/v only after OLMoE's q/k norms, with the model's eps.
+            or (layer.self_attn.clip_qkv is not None and layer.self_attn.q_norm is None)
+            or (layer.self_attn.q_norm is not None and layer.self_attn.q_norm.eps != self.norm.eps)
             for layer in self.layers
         ):
             return 0
@@ -241,6 +242,10 @@ class LlamaModel(nn.Module):
                 kv.k,
                 kv.v,
             )
+            attn = layer.self_attn
+            if attn.q_norm is not None:
+                clip = -1.0 if attn.clip_qkv is None else float(attn.clip_qkv)
+                loop.set_qk_norm(attn.q_norm.weight, attn.k_norm.weight, clip)
             if dense:
                 continue
             experts = mlp.experts
