@@ -153,6 +153,11 @@ class RequestLimits:
     max_logit_bias: int = 1024  # logit_bias entries
     max_tokens: int | None = None  # cap on a request's max_tokens (None: max_model_len)
     max_prompts: int = 256  # prompts in one /v1/completions request
+    max_images: int = 8  # images in one prompt (vLLM's limit_mm_per_prompt["image"])
+    max_image_bytes: int = 20 << 20  # an image's encoded size (OpenAI's limit)
+    max_image_pixels: int = 4096 * 4096  # an image's width x height, checked before decoding
+    # Hosts whose image URLs may be fetched; none: remote URLs are refused.
+    allowed_media_domains: tuple[str, ...] = ()
 
 
 @dataclass
@@ -199,6 +204,10 @@ class EngineArgs:
     max_logit_bias: int = RequestLimits.max_logit_bias
     max_tokens_limit: int | None = None
     max_prompts: int = RequestLimits.max_prompts
+    # Vision-language models: {"image": N} images per prompt at most (vLLM's name).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    # Hosts whose image URLs the front door may fetch (vLLM's name); none: refused.
+    allowed_media_domains: tuple[str, ...] = ()
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -246,6 +255,15 @@ class EngineArgs:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                 f"({self.max_loras})."
             )
+        if self.limit_mm_per_prompt is not None:
+            limit = self.limit_mm_per_prompt
+            if (
+                not isinstance(limit, dict)
+                or set(limit) - {"image"}
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in limit.values())
+            ):  # fmt: skip
+                raise ValueError(f'limit_mm_per_prompt must be like {{"image": 4}}, got {limit!r}.')
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -349,6 +367,8 @@ class EngineArgs:
             max_logit_bias=self.max_logit_bias,
             max_tokens=self.max_tokens_limit,
             max_prompts=self.max_prompts,
+            max_images=(self.limit_mm_per_prompt or {}).get("image", RequestLimits.max_images),
+            allowed_media_domains=tuple(self.allowed_media_domains or ()),
         )
 
     def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
@@ -40,6 +41,16 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True, eq=False)
+class MultiModalFeature:
+    """One image of a prompt: where its placeholder tokens sit and what fills them."""
+
+    hash: str  # its content's digest: the encoder cache's key, and part of block hashes
+    offset: int  # the prompt position of its first placeholder token
+    length: int  # its placeholder tokens (the encoder's output rows)
+    data: Any  # the processor's pixel_values [C, H, W] tensor; only the model runner reads it
+
+
 class Request:
     """One sequence being generated.
 
@@ -56,6 +67,7 @@ class Request:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         trace_headers: dict[str, str] | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,6 +85,7 @@ class Request:
         self.grammar: RequestGrammar | None = None  # structured outputs; set by the scheduler
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)
         self.trace_headers = trace_headers  # the caller's W3C trace context, if it sent one
+        self.mm_features = mm_features or []  # its images, in prompt order
 
     @property
     def lora_int_id(self) -> int:

@@ -99,6 +99,75 @@ def make_model(folder: str, arch: str, **overrides):
     return folder
 
 
+# A chat template that walks content parts, as Hugging Face's multimodal ones do.
+MM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_llava(folder: str, vision: str = "clip") -> str:
+    """Save a tiny random LLaVA (a `vision` = "clip" | "siglip" encoder of 30x30 images
+    in 6x6 patches: 25 image tokens, a Llama text model) with its processor into folder."""
+    import transformers
+
+    tokenizer = make_tokenizer(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = MM_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    text = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+    tower.update(image_size=30, patch_size=6)
+    if vision == "clip":
+        vision_config = transformers.CLIPVisionConfig(**tower, projection_dim=32)
+        image_processor = transformers.CLIPImageProcessor(
+            size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}
+        )
+        strategy, extra_tokens = "default", 1  # drop the class token
+    else:
+        vision_config = transformers.SiglipVisionConfig(**tower)
+        image_processor = transformers.SiglipImageProcessor(size={"height": 30, "width": 30})
+        strategy, extra_tokens = "full", 0
+    config = transformers.LlavaConfig(
+        vision_config=vision_config,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy=strategy,
+    )
+    torch.manual_seed(0)
+    transformers.LlavaForConditionalGeneration(config).save_pretrained(folder)
+    transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=6,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=extra_tokens,
+        chat_template=MM_CHAT_TEMPLATE,
+    ).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> str:
+    return make_llava(str(tmp_path_factory.mktemp("llava")))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")

@@ -258,11 +258,11 @@ def test_templates_render_tools_calls_and_results(tiny_llama, template):
     processor = llm.llm_engine.processor
     if template == "qwen":
         processor.tokenizer.chat_template = QWEN_STYLE
-    text, _ = processor.render_chat(CONVERSATION, True, None, TOOLS)
+    text, _, _ = processor.render_chat(CONVERSATION, True, None, TOOLS)
     assert json.dumps(TIME) in text
     assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>' in text
     assert "<tool_response>\n10:42\n</tool_response>" in text
-    plain, _ = processor.render_chat(MESSAGES, True, None, None)
+    plain, _, _ = processor.render_chat(MESSAGES, True, None, None)
     assert "<tools>" not in plain
 
 

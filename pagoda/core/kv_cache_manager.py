@@ -300,9 +300,19 @@ class KVCacheManager:
         bs = self.block_size
         # The same tokens under another adapter hold other K/V: the adapter keys the
         # chain's first block, and through it every later one.
+        # The same placeholder tokens with another image hold other K/V too: each block
+        # is keyed by the images it covers (and where they start in it).
         adapter = request.lora_int_id or None
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else None
             extra = adapter if parent is None else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], extra))
+            start, end = i * bs, (i + 1) * bs
+            images = tuple(
+                (f.hash, f.offset - start)
+                for f in request.mm_features
+                if f.offset < end and f.offset + f.length > start
+            )
+            if images:
+                extra = (extra, images)
+            hashes.append(hash_block(parent, tokens[start:end], extra))
         return hashes

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagoda.lora.request import LoRARequest
+from pagoda.request import MultiModalFeature
 from pagoda.sampling_params import SamplingParams
 
 
@@ -36,6 +37,8 @@ class ScheduledRequest:
     # sampled position: the last token's, then one after each draft).
     grammar_row: int | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs under
+    # The images whose placeholder positions this step computes (some or all of them).
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     @property
     def lora_int_id(self) -> int:
@@ -58,6 +61,8 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     # [rows, ceil(V / 32)] int32: allowed tokens of the rows sampled under a grammar.
     grammar_bitmask: np.ndarray | None = None
+    # Encoder outputs the runner may drop (EncoderCacheManager evicted them).
+    encoder_cache_evicted: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 
 from pagoda.config import SchedulerConfig
+from pagoda.core.encoder_cache import EncoderCacheManager
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.ngram import propose_ngram
 from pagoda.core.request_queue import RequestQueue, create_request_queue
@@ -70,6 +71,10 @@ class Scheduler:
         self.num_drafts_next: dict[str, int] = {}  # request id -> drafts to propose next
         # With LoRA: steps in a row in which the queue's head waited for its adapter.
         self.num_steps_head_passed_over = 0
+        # Images: which encoder outputs the runner holds, and the step's encoder budget
+        # (image tokens to encode; both vLLM's default, max_num_batched_tokens).
+        self.encoder_cache = EncoderCacheManager(config.max_num_batched_tokens)
+        self.encoder_budget = 0
 
     # ---- queues -------------------------------------------------------------
 
@@ -162,6 +167,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
+        self.encoder_budget = budget
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         if self.waiting_for_grammar:
@@ -178,6 +184,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new == 0 and request.mm_features:  # its next image must wait a step
+                i += 1
+                continue
             # Drafts never take a block that a request after this one may need.
             spare_blocks = kv.block_pool.num_free_blocks - (len(self.running) - i - 1)
             drafts = self._propose(request, budget, spare_blocks) if speculate else []
@@ -221,6 +230,8 @@ class Scheduler:
                 if request.sampling_params.prompt_logprobs is None:  # those need every position
                     hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
                 num_new = self._num_new_tokens(request, num_hit_tokens, budget)
+                if num_new == 0 and request.mm_features and request.num_tokens > num_hit_tokens:
+                    break  # its first image waits for encoder budget (not a fork point)
                 if kv.allocate_slots(request, num_new, hit_block_ids) is None:
                     break
                 if request.sampling_params.prompt_logprobs is None:
@@ -258,6 +269,7 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             grammar_bitmask=self._grammar_bitmask(scheduled),
+            encoder_cache_evicted=self.encoder_cache.take_evicted(),
         )
 
     def _grammar_bitmask(self, scheduled: list[ScheduledRequest]):
@@ -289,6 +301,9 @@ class Scheduler:
             # next step writes over it.
             num_rejected = item.num_draft_tokens - (len(token_ids) - 1 if token_ids else 0)
             request.num_computed_tokens += len(item.token_ids) - num_rejected
+            for feature in item.mm_features:  # images it has computed past
+                if feature.offset + feature.length <= request.num_computed_tokens:
+                    self.encoder_cache.release(feature.hash, request.request_id)
             if num_rejected:  # their blocks go back: no swap or stat should count them
                 self.kv_cache_manager.free_past(request, request.num_computed_tokens)
             prompt_len = request.num_prompt_tokens
@@ -358,7 +373,28 @@ class Scheduler:
         limit = request.num_tokens
         if request.request_id in self.fork_waiters:
             limit = request.num_prompt_tokens - 1  # stop at the fork point
-        return min(limit - num_computed, budget)
+        num_new = min(limit - num_computed, budget)
+        if request.mm_features:
+            num_new = self._fit_images(request, num_computed, num_new)
+        return num_new
+
+    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` cut to end before the first image whose encoder output is not held
+        and does not fit this step's encoder budget or the encoder cache. An image
+        larger than the whole budget runs alone in a step's encoder work."""
+        cache, budget, rows = self.encoder_cache, self.encoder_budget, 0
+        for feature in request.mm_features:
+            if feature.offset >= start + num_new:
+                break
+            if feature.offset + feature.length <= start or cache.holds(feature.hash):
+                continue
+            first = budget == self.config.max_num_batched_tokens
+            if (feature.length <= budget or first) and cache.can_hold(rows + feature.length):
+                budget -= feature.length
+                rows += feature.length
+                continue
+            return feature.offset - start
+        return num_new
 
     def _propose(self, request: Request, budget: int, spare_blocks: int) -> list[int]:
         """Draft tokens for a request about to decode its last token, in its own blocks
@@ -474,6 +510,7 @@ class Scheduler:
         recomputes its tokens (prompt and outputs so far) when readmitted.
         """
         self.running.remove(request)
+        self._release_images(request)
         swap = self.config.preemption_mode == "swap" and not recompute
         if swap and self.kv_cache_manager.swap_out(request):
             self.num_preemptions["swap"] += 1
@@ -484,6 +521,27 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.waiting.prepend(request)
+
+    def _release_images(self, request: Request) -> None:
+        for feature in request.mm_features:
+            self.encoder_cache.release(feature.hash, request.request_id)
+
+    def _use_images(self, request: Request, start: int, end: int) -> list:
+        """The request's images that positions start..end-1 cover: each one's encoder
+        output is held for it from now on (a new one charged to the step's budget)."""
+        cache, features = self.encoder_cache, []
+        for feature in request.mm_features:
+            if feature.offset >= end or feature.offset + feature.length <= start:
+                continue
+            if request.request_id not in cache.users.get(feature.hash, ()):
+                cache.queries += 1
+                cache.hits += cache.holds(feature.hash)
+            if not cache.holds(feature.hash):
+                cache.add(feature.hash, feature.length)
+                self.encoder_budget -= feature.length
+            cache.use(feature.hash, request.request_id)
+            features.append(feature)
+        return features
 
     def _scheduled(
         self, request: Request, num_new: int, drafts: list[int] = ()
@@ -515,6 +573,9 @@ class Scheduler:
             ),
             prompt_logprobs_n=params.prompt_logprobs or 0,
             lora_request=request.lora_request,
+            mm_features=self._use_images(request, start, start + num_new)
+            if request.mm_features
+            else [],
         )
 
     def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -542,6 +603,7 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._release_images(request)
         self.num_drafts_next.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]

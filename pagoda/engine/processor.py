@@ -33,10 +33,11 @@ from pagoda.engine.tools import MAX_TOOLS, check_tools, inline_tools, template_k
 from pagoda.errors import InvalidRequestError
 from pagoda.lora.adapter import LoRAAdapter, check_adapter, load_adapter
 from pagoda.lora.request import LoRARequest
-from pagoda.request import Request
+from pagoda.request import MultiModalFeature, Request
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
-# str | {"prompt": str} | {"prompt_token_ids": [int], "prompt"?: str}
+# str | {"prompt": str, "multi_modal_data"?: {"image": image | [image]}}
+#     | {"prompt_token_ids": [int], "prompt"?: str}
 #     | {"messages": [...], "add_generation_prompt"?: bool, "chat_template_kwargs"?: dict,
 #        "tools"?: [OpenAI tool]}
 PromptType = str | dict[str, Any]
@@ -48,8 +49,14 @@ MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 PROMPT_FORMS = (
     ({"messages"}, {"add_generation_prompt", "chat_template_kwargs", "tools"}),
     ({"prompt_token_ids"}, {"prompt"}),
-    ({"prompt"}, set()),
+    ({"prompt"}, {"multi_modal_data"}),
 )
+# A chat message's content parts: text, and for vision-language models images (OpenAI's
+# image_url with a data: URI or an allowed URL; vLLM's image_pil with a PIL image).
+CONTENT_PARTS = {"text": "text", "image_url": "image_url", "image_pil": "image_pil"}
+# A chat template that walks content parts itself (Hugging Face's multimodal templates);
+# others get each image's placeholder text in the content string.
+_TEMPLATE_WALKS_PARTS = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
 _INT_KEY = re.compile(r"-?[0-9]{1,20}")
 
 
@@ -180,6 +187,13 @@ class Processor:
         self.limits = limits or RequestLimits()
         self.lora_config = lora_config
         self.vocab_size = int(model_config.hf_config["vocab_size"])
+        self.images = None  # a vision-language model's image processor
+        if "vision_config" in model_config.hf_config:
+            from pagoda.multimodal import ImageInputProcessor
+
+            self.images = ImageInputProcessor(
+                model_config.path, model_config.hf_config, self.limits
+            )
         # chat_template_kwargs may set template variables, never apply_chat_template's own
         # parameters (tokenize=True would hand back ids where text is expected).
         self._reserved_template_kwargs = set(
@@ -214,7 +228,7 @@ class Processor:
         if not isinstance(params, SamplingParams):
             _fail("params", "must be a SamplingParams", type(params).__name__)
         trace_headers = check_trace_headers(trace_headers)
-        text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
+        text, token_ids, features = self.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.check_params(params, len(token_ids))
         if params.n == 1:
             return [
@@ -226,6 +240,7 @@ class Processor:
                     arrival_time,
                     lora_request,
                     trace_headers,
+                    features,
                 )  # fmt: skip
             ], text
         children = []
@@ -242,6 +257,7 @@ class Processor:
                     arrival_time,
                     lora_request,
                     trace_headers,
+                    features,
                 )
             )
         return children, text
@@ -286,16 +302,17 @@ class Processor:
 
     def process_prompt(
         self, prompt: PromptType, truncate_prompt_tokens: int | None = None
-    ) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids): checked, tokenized, optionally cut to its last
-        `truncate_prompt_tokens` tokens, and short enough to leave room for one token."""
-        param = "prompt"
+    ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """(prompt text or None, token ids, its images' features): checked, tokenized,
+        optionally cut to its last `truncate_prompt_tokens` tokens, and short enough to
+        leave room for one token."""
+        param, features, images = "prompt", [], None
         if isinstance(prompt, str):
             text, token_ids = self._check_prompt_text(prompt, "prompt"), None
         elif isinstance(prompt, dict):
             param = self._prompt_form(prompt)
             if param == "messages":
-                text, token_ids = self.render_chat(
+                text, token_ids, features = self.render_chat(
                     prompt["messages"],
                     prompt.get("add_generation_prompt", True),
                     prompt.get("chat_template_kwargs"),
@@ -308,15 +325,23 @@ class Processor:
                 token_ids = self.check_token_ids(
                     prompt["prompt_token_ids"], "prompt_token_ids", self.max_model_len * 64
                 )
+                if self.images is not None and self.images.image_token_id in token_ids:
+                    _fail(param, "holds the image token, but images come only with a text "
+                          "prompt (multi_modal_data) or chat messages")  # fmt: skip
             else:
                 text, token_ids = self._check_prompt_text(prompt["prompt"], "prompt"), None
+                if "multi_modal_data" in prompt:
+                    images = self._check_multi_modal_data(prompt["multi_modal_data"])
         else:
             _fail(
                 "prompt",
                 "must be a string or a dict with 'prompt', 'prompt_token_ids' or 'messages'",
                 type(prompt).__name__,
             )
-        if token_ids is None:
+        if token_ids is None and self.images is not None:
+            token_ids, features = self.images.process(text, images or [], param)
+            self._check_vocabulary(token_ids, param)
+        elif token_ids is None:
             token_ids = self._encode(text, param)
         if not token_ids:
             _fail(param, "must not be empty")
@@ -324,6 +349,8 @@ class Processor:
             keep = check_int(
                 truncate_prompt_tokens, "truncate_prompt_tokens", 1, self.max_model_len - 1
             )
+            if features and keep < len(token_ids):
+                _fail("truncate_prompt_tokens", "cannot cut a prompt that holds images")
             token_ids = token_ids[-keep:]
         if len(token_ids) >= self.max_model_len:
             _fail(
@@ -333,7 +360,15 @@ class Processor:
                 "at least one generated token",
                 code="context_length_exceeded",
             )
-        return text, list(token_ids)
+        return text, list(token_ids), features
+
+    def _check_multi_modal_data(self, data: Any) -> list:
+        if self.images is None:
+            _fail("multi_modal_data", "cannot be used: this model takes no images")
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            _fail("multi_modal_data", "must be {'image': an image or a list of images}",
+                  _show(data))  # fmt: skip
+        return self.images.check_images(data["image"], "multi_modal_data")
 
     def check_num_prompts(self, num_prompts: int) -> None:
         """How many prompts one request (a /v1/completions body) may carry."""
@@ -366,12 +401,15 @@ class Processor:
         """The tokenizer's ids for `text`, every one an id the model has (a tokenizer may
         know more tokens than the model's embedding holds)."""
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        self._check_vocabulary(ids, param)
+        return ids
+
+    def _check_vocabulary(self, ids: list[int], param: str) -> None:
         if ids and max(ids) >= self.vocab_size:
             _fail(
                 param,
                 f"holds a token ({max(ids)}) beyond the model's vocabulary ({self.vocab_size})",
             )
-        return ids
 
     def check_token_ids(self, token_ids: Any, param: str, max_len: int) -> list[int]:
         """A list of token ids, each in [0, vocab_size)."""
@@ -387,10 +425,10 @@ class Processor:
         add_generation_prompt: Any = True,
         template_kwargs: Any = None,
         tools: Any = None,
-    ) -> tuple[str, list[int]]:
-        """A conversation (and the tools it may call) -> (prompt text, token ids) through
-        the model's chat template. Raises InvalidRequestError naming `messages` (or the
-        template argument at fault)."""
+    ) -> tuple[str, list[int], list[MultiModalFeature]]:
+        """A conversation (and the tools it may call) -> (prompt text, token ids, its
+        images' features) through the model's chat template. Raises InvalidRequestError
+        naming `messages` (or the template argument at fault)."""
         check_list(conversation, "messages", 100_000)
         check_bool(add_generation_prompt, "add_generation_prompt")
         if template_kwargs is not None:
@@ -400,10 +438,14 @@ class Processor:
             if reserved:
                 _fail("chat_template_kwargs", f"may not set {', '.join(sorted(reserved))}")
             check_all_text(template_kwargs, "chat_template_kwargs")
-        messages = [self._check_message(i, m) for i, m in enumerate(conversation)]
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             _fail("messages", "cannot be used: this model has no chat template; send a prompt")
+        images: list = []
+        walks_parts = bool(_TEMPLATE_WALKS_PARTS.search(template))
+        messages = [
+            self._check_message(i, m, images, walks_parts) for i, m in enumerate(conversation)
+        ]
         if tools is not None:
             tools = check_tools(tools)
             check_all_text(tools, "tools")
@@ -420,9 +462,18 @@ class Processor:
         except Exception as e:  # the template raised (e.g. roles out of order)
             _fail("messages", f"were refused by the chat template: {e}")
         # The template already holds any special tokens it wants.
-        return text, self._encode(text, "messages", add_special_tokens=False)
+        if self.images is None:
+            return text, self._encode(text, "messages", add_special_tokens=False), []
+        ids, features = self.images.process(text, images, "messages", add_special_tokens=False)
+        self._check_vocabulary(ids, "messages")
+        return text, ids, features
 
-    def _check_message(self, i: int, message: Any) -> dict[str, str]:
+    def _check_message(
+        self, i: int, message: Any, images: list, walks_parts: bool = False
+    ) -> dict[str, Any]:
+        """A message as the template takes it; its images (decoded) are appended to
+        `images`, each leaving a placeholder in the content: an {"type": "image"} part
+        for a template that walks parts, else the model's image token in the text."""
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             _fail("messages", "must be an object", message, where=where)
@@ -435,21 +486,12 @@ class Processor:
             _fail("messages", f"must be one of {', '.join(ROLES)}", role, where=f"{where}.role")
         content = message.get("content")
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                    or set(part) - {"type", "text"}
-                ):
-                    why = "may hold only text parts ({'type': 'text', 'text': ...})"
-                    _fail("messages", why, part, where=f"{where}.content")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+            content = self._check_parts(content, f"{where}.content", images, walks_parts)
         elif content is None:
             content = ""
-        out = {"role": role, "content": check_text(content, "messages", where=f"{where}.content")}
+        if isinstance(content, str):
+            content = check_text(content, "messages", where=f"{where}.content")
+        out = {"role": role, "content": content}
         if message.get("name") is not None:
             out["name"] = check_text(message["name"], "messages", 256, where=f"{where}.name")
         if message.get("tool_calls") is not None:
@@ -461,6 +503,47 @@ class Processor:
                 message["tool_call_id"], "messages", 256, where=f"{where}.tool_call_id"
             )
         return out
+
+    def _check_parts(
+        self, parts: list, where: str, images: list, walks_parts: bool
+    ) -> str | list[dict[str, str]]:
+        """Content parts -> the content a template takes (see `_check_message`)."""
+        out = []
+        for j, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = CONTENT_PARTS.get(kind) if isinstance(kind, str) else None
+            if key is None or set(part) - {"type", key}:
+                why = "must be {'type': 'text', 'text': ...}" + (
+                    ", {'type': 'image_url', 'image_url': {'url': ...}} or "
+                    "{'type': 'image_pil', 'image_pil': PIL.Image}"
+                    if self.images is not None
+                    else " (this model takes no images)"
+                )
+                _fail("messages", why, part, where=f"{where}[{j}]")
+            if key == "text":
+                out.append({"type": "text", "text": check_text(
+                    part["text"], "messages", where=f"{where}[{j}].text")})  # fmt: skip
+                continue
+            if self.images is None:
+                _fail("messages", "holds an image, but this model takes no images",
+                      where=f"{where}[{j}]")  # fmt: skip
+            value = part[key]
+            if key == "image_url":
+                if isinstance(value, dict) and set(value) <= {"url", "detail"}:
+                    value = value.get("url")
+                elif not isinstance(value, str):
+                    _fail("messages", "must be {'url': ...}", _show(value), where=f"{where}[{j}]")
+            from pagoda.multimodal import load_image
+
+            images.append(load_image(value, self.limits, "messages", f"{where}[{j}].{key}"))
+            if len(images) > self.limits.max_images:
+                _fail("messages", f"hold more than {self.limits.max_images} images; "
+                      "that is the limit per prompt (limit_mm_per_prompt)")  # fmt: skip
+            out.append({"type": "image"})
+        if walks_parts and any(p["type"] == "image" for p in out):
+            return out
+        token = self.images.image_token if self.images is not None else ""
+        return "\n".join(p["text"] if p["type"] == "text" else token for p in out)
 
     def _check_tool_calls(self, calls: Any, where: str) -> list[dict]:
         """An assistant's earlier calls, with arguments as objects (what templates expect)."""

@@ -36,7 +36,16 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "OlmoeForCausalLM",
+    "LlavaForConditionalGeneration",
 )
+# A vision-language model's text half, by its config's model_type.
+_TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# Weights that stay floats whatever the quantization: a vision encoder and its projector.
+_FLOAT_ONLY = ("vision_tower.", "multi_modal_projector.")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
@@ -90,12 +99,49 @@ def load_hf_config(path: str, is_gguf: bool) -> dict[str, Any]:
             config = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {config_path}: {e}") from e
+    if "text_config" in config and "vision_config" in config:
+        config = _flatten_vision_language(config)
     # transformers 5 writes rope settings as rope_parameters; older files as rope_theta/rope_scaling.
     rope = config.get("rope_parameters") or {}
     config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
     if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = rope
     return config
+
+
+def _flatten_vision_language(config: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config as the rest of pagoda reads configs: the text model's
+    keys at the top (vocab_size, hidden_size, ...), the architecture the whole model's,
+    and the vision side under `vision_config` (with the projector's settings)."""
+    text = dict(config["text_config"])
+    model_type = text.get("model_type", "llama")
+    if model_type not in _TEXT_ARCHITECTURES:
+        raise ValueError(
+            f"vision-language model: text model type {model_type!r} is not supported; "
+            f"supported: {', '.join(_TEXT_ARCHITECTURES)}."
+        )
+    vision = dict(config["vision_config"])
+    for key in (
+        "vision_feature_layer",
+        "vision_feature_select_strategy",
+        "projector_hidden_act",
+        "multimodal_projector_bias",
+    ):
+        if key in config:
+            vision[key] = config[key]
+    image_token_id = config.get("image_token_id", config.get("image_token_index"))
+    if image_token_id is None:
+        raise ValueError("vision-language config has no image_token_id (image_token_index).")
+    return {
+        **text,
+        "architectures": config["architectures"],
+        "text_architectures": [_TEXT_ARCHITECTURES[model_type]],
+        "vision_config": vision,
+        "image_token_id": int(image_token_id),
+        "tie_word_embeddings": config.get(
+            "tie_word_embeddings", text.get("tie_word_embeddings", False)
+        ),
+    }
 
 
 def _gguf_reader(path: str):
@@ -221,6 +267,7 @@ def iter_weights(
             and w.dim() == 2
             and w.shape[1] % BLOCK == 0
             and not _kept(name, keep_full_precision)
+            and not any(part in name for part in _FLOAT_ONLY)
         ):
             yield name, _quantize(w, ggml_type)
         else:

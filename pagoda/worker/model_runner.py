@@ -73,6 +73,10 @@ class ModelRunner:
         self.num_host_blocks = cache_config.swap_space_bytes // self.bytes_per_block
         self.host_kv_cache = self.kv_cache.like(self.num_host_blocks)
         self.generator = torch.Generator(self.device).manual_seed(model_config.seed)
+        # Vision-language models: image hash -> encoder output [rows, hidden]; the
+        # scheduler's EncoderCacheManager says what to drop.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.num_images_encoded = 0
 
     def _load_model(self, mc: ModelConfig) -> torch.nn.Module:
         # Built with uninitialized (so never touched, never resident) float32 weights; each
@@ -128,13 +132,18 @@ class ModelRunner:
         if not reqs:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
+        for image_hash in sched.encoder_cache_evicted:
+            self.encoder_cache.pop(image_hash, None)
+        inputs_embeds = None
+        if any(r.mm_features for r in reqs):
+            inputs_embeds = self._embed_with_images(reqs, input_ids, cu_q)
         lora = None
         if self.lora_manager is not None:
             lora = self.lora_manager.prepare(
                 [r.lora_request for r in reqs], [len(r.token_ids) for r in reqs]
             )
         with forward_context(meta, lora):
-            hidden = self.model(input_ids, positions)  # [T, hidden]
+            hidden = self.model(input_ids, positions, inputs_embeds)  # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, cu_q)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sampling_params is not None]
         if not sampling:
@@ -187,6 +196,32 @@ class ModelRunner:
         if sched.blocks_to_copy:
             src, dst = zip(*sched.blocks_to_copy, strict=True)
             self.kv_cache.copy_blocks(self.kv_cache, list(src), list(dst))
+
+    def _embed_with_images(
+        self, reqs: list[ScheduledRequest], input_ids: torch.Tensor, cu_q: torch.Tensor
+    ) -> torch.Tensor:
+        """The step's token embeddings with each image's encoder output at its
+        placeholder positions. Images not in the encoder cache are encoded first, in one
+        batch per image size (a step the engine runs again finds them cached)."""
+        new = {f.hash: f for r in reqs for f in r.mm_features if f.hash not in self.encoder_cache}
+        by_shape: dict[tuple, list] = {}
+        for feature in new.values():
+            by_shape.setdefault(tuple(feature.data.shape), []).append(feature)
+        for features in by_shape.values():
+            pixels = torch.stack([f.data for f in features])
+            for f, rows in zip(features, self.model.encode_images(pixels), strict=True):
+                self.encoder_cache[f.hash] = rows[: f.length]
+            self.num_images_encoded += len(features)
+        embeds = self.model.embed_input_ids(input_ids)  # [T, hidden]
+        for i, r in enumerate(reqs):
+            start, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
+            row = int(cu_q[i]) - start  # the flat batch row of this request's position 0
+            for f in r.mm_features:
+                lo, hi = max(start, f.offset), min(end, f.offset + f.length)
+                embeds[row + lo : row + hi] = self.encoder_cache[f.hash][
+                    lo - f.offset : hi - f.offset
+                ]
+        return embeds
 
     def _prompt_logprobs(
         self, reqs: list[ScheduledRequest], hidden: torch.Tensor, cu_q: torch.Tensor

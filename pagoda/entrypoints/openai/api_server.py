@@ -368,7 +368,7 @@ def build_app(
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         completion.check_model(req.model)
         if req.messages is not None:
-            _, tokens = await engine.run_in_processor(
+            _, tokens, _ = await engine.run_in_processor(
                 processor.render_chat,
                 chat.conversation(req),
                 req.add_generation_prompt,

@@ -1,6 +1,7 @@
 """Model registry: architecture name -> nn.Module class."""
 
 from pagoda.model_executor.models.llama import LlamaForCausalLM
+from pagoda.model_executor.models.llava import LlavaForConditionalGeneration
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -10,4 +11,6 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,  # and q/k/v bias, a shared expert
     "OlmoeForCausalLM": LlamaForCausalLM,  # and q/k norms
+    # Vision-language: a vision encoder and projector feeding a Llama-family model.
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }

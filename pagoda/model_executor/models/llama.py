@@ -273,8 +273,14 @@ class LlamaModel(nn.Module):
         self.decode_loop, self.decode_loop_max_rows = loop, max_rows
         return max_rows
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        residual = None
         if self.decode_loop is not None and x.shape[0] <= self.decode_loop_max_rows:
             meta = get_attention_metadata()
             if meta.num_decodes == x.shape[0]:
@@ -315,9 +321,15 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] (or the embeddings [T, hidden] given) -> hidden
+        states [T, hidden]."""
+        return self.model(input_ids, positions, inputs_embeds)
 
     def build_decode_loop(self) -> int:
         return self.model.build_decode_loop()
