@@ -74,6 +74,9 @@ _COUNTERS: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
         "Prefix cache hits, in tokens.",
         lambda s: s.kv_cache.prefix_cache_hits,
     ),
+    # vLLM's names: a request's image looked up in the encoder cache, and found there.
+    "pagoda:mm_cache_queries": ("Encoder cache queries, in images.", lambda s: s.mm_cache_queries),
+    "pagoda:mm_cache_hits": ("Encoder cache hits, in images.", lambda s: s.mm_cache_hits),
 }
 
 

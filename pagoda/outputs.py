@@ -71,6 +71,7 @@ class RequestOutput:
     error: str | None = None
     error_is_client: bool = False
     lora_request: LoRARequest | None = None  # the adapter it ran under
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was admitted
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta output of the same request to this one (a stream

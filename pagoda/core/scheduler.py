@@ -634,6 +634,8 @@ class Scheduler:
             kv_cache=kv_stats,
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
             lora=self._lora_stats(),
+            mm_cache_queries=self.encoder_cache.queries,
+            mm_cache_hits=self.encoder_cache.hits,
         )
 
     def progress(self, limit: int) -> list[RequestProgress]:

@@ -118,6 +118,9 @@ class SchedulerStats:
     kv_cache: KVCacheStats
     spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
     lora: LoRAStats | None = None  # with LoRA on
+    # Images: lookups of a request's image in the encoder cache, and those found held.
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
     @property
     def num_preemptions(self) -> int:

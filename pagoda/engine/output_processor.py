@@ -145,6 +145,7 @@ class RequestState:
             error=self.error,
             error_is_client=self.error_is_client,
             lora_request=self.lora_request,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def finished_stats(self) -> FinishedRequestStats:
