@@ -35,6 +35,23 @@ def is_remote_url(value: Any) -> bool:
     return isinstance(value, str) and value[:8].lower().startswith(("http://", "https://"))
 
 
+def allowed_remote_images(messages: Any, limits: RequestLimits) -> list[tuple[dict, str, str]]:
+    """(part's image_url object, URL, where) for each image_url part of a conversation
+    whose URL is on an allowed host: what the server fetches off the processor thread
+    (so a slow host holds up only its own request). Anything else is left to the
+    front door, which refuses other remote URLs without fetching."""
+    allowed = {d.lower() for d in limits.allowed_media_domains}
+    found = []
+    for i, message in enumerate(messages if allowed and isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            value = part.get("image_url") if isinstance(part, dict) else None
+            url = value.get("url") if isinstance(value, dict) else None
+            if is_remote_url(url) and (urllib.parse.urlsplit(url).hostname or "") in allowed:
+                found.append((value, url, f"messages[{i}].content[{j}].image_url"))
+    return found
+
+
 def fetch_image_bytes(url: str, limits: RequestLimits, param: str, where: str) -> bytes:
     """The bytes at `url` if its host is one `limits.allowed_media_domains` names and
     they fit `limits.max_image_bytes`; else a refusal. Blocks up to FETCH_TIMEOUT_S."""

@@ -17,6 +17,7 @@ A streamed call goes out in one delta once it has parsed; `finish_reason` is
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -59,6 +60,7 @@ from pagoda.entrypoints.openai.serving_engine import (
     sse_error,
 )
 from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagoda.multimodal import allowed_remote_images, fetch_image_bytes
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -120,6 +122,23 @@ class OpenAIServingChat(OpenAIServing):
     def conversation(req) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in req.messages]
 
+    async def fetch_images(self, messages: list[dict]) -> None:
+        """Fetch the image URLs on allowed hosts (--allowed-media-domains) in worker
+        threads, in place: each part's url becomes the fetched bytes."""
+        limits = self.processor.limits
+        found = allowed_remote_images(messages, limits)
+        try:
+            data = await asyncio.gather(
+                *(
+                    asyncio.to_thread(fetch_image_bytes, url, limits, "messages", where)
+                    for _, url, where in found
+                )
+            )
+        except InvalidRequestError as e:
+            raise from_invalid(e) from e
+        for (value, _, _), payload in zip(found, data, strict=True):
+            value["url"] = payload
+
     async def start(
         self, req: ChatCompletionRequest, trace_headers: Mapping[str, str] | None = None
     ) -> ChatRun:
@@ -155,6 +174,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt["tools"] = tools
         if req.chat_template_kwargs is not None:
             prompt["chat_template_kwargs"] = req.chat_template_kwargs
+        await self.fetch_images(prompt["messages"])
         response_id = random_id("chatcmpl")
         (stream,) = await super().start(
             response_id, [prompt], params, req.priority, renames, lora_request, trace_headers
