@@ -304,6 +304,11 @@ class EngineArgs:
                 "enable_lora: LoRA adapters on mixture-of-experts models are not supported yet "
                 f"({hf_config['architectures'][0]})."
             )
+        if self.enable_lora and "vision_config" in hf_config:
+            raise ValueError(
+                "enable_lora: LoRA adapters on vision-language models are not supported yet "
+                f"({hf_config['architectures'][0]})."
+            )
         model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
         window = hf_config.get("sliding_window")
         if window and hf_config.get("use_sliding_window", True) and window < model_max_len:

@@ -60,14 +60,10 @@ MOE_DEFAULTS = {
 }
 
 
-def make_model(folder: str, arch: str, **overrides):
-    """Save a tiny random model of `arch` ("llama" | "mistral" | "qwen2", or the MoE
-    "mixtral" | "qwen2_moe" | "olmoe") into folder."""
-    import transformers
-
-    tokenizer = make_tokenizer(folder)
-    common = dict(
-        vocab_size=len(tokenizer),
+def tiny_text_config(vocab_size: int) -> dict:
+    """The tiny text model's shape (every test model's, and LLaVA's text half)."""
+    return dict(
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -80,6 +76,15 @@ def make_model(folder: str, arch: str, **overrides):
         tie_word_embeddings=False,
         initializer_range=0.2,  # sharper logits: fewer near-ties between top tokens
     )
+
+
+def make_model(folder: str, arch: str, **overrides):
+    """Save a tiny random model of `arch` ("llama" | "mistral" | "qwen2", or the MoE
+    "mixtral" | "qwen2_moe" | "olmoe") into folder."""
+    import transformers
+
+    tokenizer = make_tokenizer(folder)
+    common = tiny_text_config(len(tokenizer))
     common.update(overrides)
     if arch in MOE_DEFAULTS:
         common = {**common, **MOE_DEFAULTS[arch], **overrides}
@@ -108,40 +113,36 @@ MM_CHAT_TEMPLATE = (
 )
 
 
-def make_llava(folder: str, vision: str = "clip") -> str:
+def make_llava(
+    folder: str,
+    vision: str = "clip",
+    text_shape: dict | None = None,
+    tower_shape: dict | None = None,
+    image_size: int = 30,
+    patch_size: int = 6,
+) -> str:
     """Save a tiny random LLaVA (a `vision` = "clip" | "siglip" encoder of 30x30 images
-    in 6x6 patches: 25 image tokens, a Llama text model) with its processor into folder."""
+    in 6x6 patches: 25 image tokens, a Llama text model) with its processor into folder;
+    `text_shape`, `tower_shape` and the sizes override the tiny shapes (benchmarks)."""
     import transformers
 
     tokenizer = make_tokenizer(folder)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.chat_template = MM_CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
-    text = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=EOS_ID,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
+    text = transformers.LlamaConfig(**{**tiny_text_config(len(tokenizer)), **(text_shape or {})})
     tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
-    tower.update(image_size=30, patch_size=6)
+    tower.update(tower_shape or {}, image_size=image_size, patch_size=patch_size)
+    square = {"height": image_size, "width": image_size}
     if vision == "clip":
         vision_config = transformers.CLIPVisionConfig(**tower, projection_dim=32)
         image_processor = transformers.CLIPImageProcessor(
-            size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}
+            size={"shortest_edge": image_size}, crop_size=square
         )
         strategy, extra_tokens = "default", 1  # drop the class token
     else:
         vision_config = transformers.SiglipVisionConfig(**tower)
-        image_processor = transformers.SiglipImageProcessor(size={"height": 30, "width": 30})
+        image_processor = transformers.SiglipImageProcessor(size=square)
         strategy, extra_tokens = "full", 0
     config = transformers.LlavaConfig(
         vision_config=vision_config,
@@ -155,7 +156,7 @@ def make_llava(folder: str, vision: str = "clip") -> str:
     transformers.LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        patch_size=6,
+        patch_size=patch_size,
         vision_feature_select_strategy=strategy,
         num_additional_image_tokens=extra_tokens,
         chat_template=MM_CHAT_TEMPLATE,

@@ -269,3 +269,39 @@ def test_encoder_cache_manager_evicts_only_unused():
     assert cache.can_hold(60)
     cache.add("d", 60)
     assert sorted(cache.take_evicted()) == ["b", "c"] and cache.num_used == 60
+
+
+def test_quantized_text_model_keeps_the_vision_tower_float(tiny_llava):
+    llm = LLM(tiny_llava, dtype="float32", quantization="int8")
+    model = llm.llm_engine.model_runner.model
+    assert model.language_model.model.layers[0].self_attn.qkv_proj.qweight is not None
+    tower = dict(model.vision_tower.named_parameters())
+    assert tower and all(p.dtype == torch.float32 for p in tower.values())
+    assert model.multi_modal_projector.linear_1.weight.dtype == torch.float32
+    (out,) = llm.generate(
+        [{"prompt": "a <image> b", "multi_modal_data": {"image": image(0)}}], GREEDY, use_tqdm=False
+    )
+    assert len(out.outputs[0].token_ids) > 0
+
+
+def test_lora_on_a_vision_language_model_is_refused(tiny_llava):
+    with pytest.raises(ValueError, match="vision-language models are not supported"):
+        LLM(tiny_llava, enable_lora=True)
+
+
+def test_generate_command_takes_image_files(tiny_llava, tmp_path, capsys):
+    from pagoda.entrypoints.cli import main
+
+    path = tmp_path / "picture.png"
+    image(4).save(path)
+    messages = [
+        {"role": "user", "content": [{"type": "image_pil", "image_pil": image(4)},
+                                     {"type": "text", "text": "What is this?"}]}
+    ]  # fmt: skip
+    (expected,) = LLM(tiny_llava, dtype="float32").chat(messages, GREEDY, use_tqdm=False)
+    args = ["generate", "--model", tiny_llava, "--dtype", "float32", "--max-tokens", "10"]
+    assert main([*args, "--image", str(path), "What is this?"]) == 0
+    assert capsys.readouterr().out == expected.outputs[0].text + "\n"
+    assert main([*args, "--image", str(tmp_path / "missing.png"), "x"]) == 2
+    assert main([*args, "--no-chat", "--image", str(path), "no placeholder"]) == 2
+    assert "0 image placeholder(s)" in capsys.readouterr().err

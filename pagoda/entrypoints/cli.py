@@ -36,9 +36,23 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     params = _sampling_params(ns)
     prompts = ns.prompt
+    images = []  # the files' bytes; the front door decodes and checks them
+    for path in ns.image or ():
+        with open(path, "rb") as f:
+            images.append(f.read())
     if ns.chat:
+        parts = [{"type": "image_pil", "image_pil": image} for image in images]
         outputs = llm.chat(
-            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False
+            [[{"role": "user", "content": [*parts, {"type": "text", "text": p}] if parts else p}]
+             for p in prompts],
+            params,
+            use_tqdm=False,
+        )  # fmt: skip
+    elif images:
+        outputs = llm.generate(
+            [{"prompt": p, "multi_modal_data": {"image": images}} for p in prompts],
+            params,
+            use_tqdm=False,
         )
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -169,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="wrap each prompt in the model's chat template (default: on)",
+    )
+    gen.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image file for every prompt (vision-language models; repeat for more); "
+        "without --chat each prompt needs one <image> placeholder per image",
     )
     _sampling_args(gen)
     add_engine_args(gen)
