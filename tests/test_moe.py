@@ -9,10 +9,10 @@ import functools
 import pytest
 import torch
 
-from pagoda import LLM
+from pagoda import LLM, SamplingParams
 from pagoda.model_executor.layers.fused_moe import FusedMoE
 from pagoda.ops import TORCH_OPS
-from tests.conftest import make_model, tiny_prompts
+from tests.conftest import agreement_on_prefixes, make_model, tiny_prompts
 from tests.test_correctness import MAX_TOKENS, hf_greedy, pagoda_greedy
 
 VARIANTS = {
@@ -242,3 +242,126 @@ def test_quantized_experts_equal_their_dequantized_reference(fmt):
 def test_lora_on_moe_is_refused(moe_models):
     with pytest.raises(ValueError, match="enable_lora: LoRA adapters on mixture-of-experts"):
         LLM(moe_models["olmoe"], dtype="float32", enable_lora=True)
+
+
+def write_mixtral_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type: str = "F32"):
+    """A llama.cpp-layout Mixtral GGUF of the HF folder's weights (q/k rows permuted as
+    convert_hf_to_gguf does, experts stacked per layer), with `tokenizer_gguf`'s
+    tokenizer; the experts in `expert_type`."""
+    import json
+    import os
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    w = {
+        k: v.float().numpy()
+        for k, v in load_file(os.path.join(folder, "model.safetensors")).items()
+    }
+    heads, kv_heads, hidden = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["hidden_size"],
+    )
+    writer = GGUFWriter(path, "llama")
+    for key, field in GGUFReader(tokenizer_gguf).fields.items():
+        if key.startswith(("GGUF.", "llama.")) or key == "general.architecture":
+            continue
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_expert_count(cfg["num_local_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+
+    def permute(x, n):  # llama.cpp's order of q/k rows: rotary pairs interleaved
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", w["model.norm.weight"])
+    writer.add_tensor("output.weight", w["lm_head.weight"])
+    qtype = GGMLQuantizationType[expert_type]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        parts = {
+            "attn_norm": w[p + "input_layernorm.weight"],
+            "ffn_norm": w[p + "post_attention_layernorm.weight"],
+            "attn_q": permute(w[p + "self_attn.q_proj.weight"], heads),
+            "attn_k": permute(w[p + "self_attn.k_proj.weight"], kv_heads),
+            "attn_v": w[p + "self_attn.v_proj.weight"],
+            "attn_output": w[p + "self_attn.o_proj.weight"],
+            "ffn_gate_inp": w[p + "block_sparse_moe.gate.weight"],
+        }
+        for part, x in parts.items():
+            writer.add_tensor(f"blk.{i}.{part}.weight", np.ascontiguousarray(x))
+        for part, hf in (("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")):
+            stacked = np.stack(
+                [
+                    w[f"{p}block_sparse_moe.experts.{e}.{hf}.weight"]
+                    for e in range(cfg["num_local_experts"])
+                ]
+            )
+            if expert_type == "F32":
+                writer.add_tensor(f"blk.{i}.{part}.weight", stacked)
+            else:
+                writer.add_tensor(
+                    f"blk.{i}.{part}.weight", quantize(stacked, qtype), raw_dtype=qtype
+                )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def mixtral_gguf(tmp_path_factory, gguf_path):
+    """(HF folder of a tiny Mixtral with SmolLM2's vocabulary size, its GGUF twin in F32,
+    and in Q8_0 experts)."""
+    root = tmp_path_factory.mktemp("mixtral-gguf")
+    folder = make_model(str(root / "hf"), "mixtral", vocab_size=49152)
+    f32, q8 = str(root / "f32.gguf"), str(root / "q8_0.gguf")
+    write_mixtral_gguf(f32, folder, gguf_path)
+    write_mixtral_gguf(q8, folder, gguf_path, "Q8_0")
+    return folder, f32, q8
+
+
+def test_mixtral_gguf_matches_hf(mixtral_gguf):
+    """llama.cpp's Mixtral layout (stacked experts, the router as ffn_gate_inp): greedy
+    tokens equal transformers' on the HF folder the file was written from."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, f32, q8 = mixtral_gguf
+    llm = LLM(f32, dtype="float32", kv_cache_memory_bytes=1 << 24)
+    assert llm.llm_engine.model_config.architecture == "MixtralForCausalLM"
+    prompts = tiny_prompts(AutoTokenizer.from_pretrained(folder), n=8, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # run to max_new_tokens, as ignore_eos
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              do_sample=False)[0, len(prompt):].tolist()  # fmt: skip
+        assert out.outputs[0].token_ids == ref
+    # Q8_0 experts stay quantized, one weight per expert, and agree with their own
+    # dequantized weights (the same file loaded as floats).
+    quantized = LLM(q8, dtype="float32", kv_cache_memory_bytes=1 << 24, int8_activations=False)
+    experts = quantized.llm_engine.model_runner.model.model.layers[0].mlp.experts
+    assert experts.quantized and len(experts.q13) == 8
+    got = [list(o.outputs[0].token_ids) for o in quantized.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
+    dequantized = LLM(q8, dtype="float32", kv_cache_memory_bytes=1 << 24, quantization="none")
+    assert agreement_on_prefixes(dequantized, prompts, got) >= 0.97  # 1.0 when written

@@ -183,6 +183,14 @@ def _gguf_config(reader) -> dict[str, Any]:
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    # llama.cpp writes Mixtral as "llama" with experts: its experts stacked per layer.
+    experts = {}
+    if get("expert_count"):
+        experts = {
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": int(get("expert_count")),
+            "num_experts_per_tok": int(get("expert_used_count")),
+        }
     return {
         "architectures": [_GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -202,6 +210,7 @@ def _gguf_config(reader) -> dict[str, Any]:
         "attention_bias": arch == "qwen2",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        **experts,
     }
 
 
@@ -375,7 +384,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
 }
+# An MoE layer's experts, stacked [experts, rows, columns] in one tensor each.
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -384,9 +396,12 @@ _GGUF_TOP_NAMES = {
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name (for stacked experts: with `{}` where the expert goes)."""
     stem, _, suffix = name.rpartition(".")  # suffix: weight | bias
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
+        if part in _GGUF_EXPERT_NAMES:
+            return f"model.layers.{layer}.mlp.experts.{{}}.{_GGUF_EXPERT_NAMES[part]}.{suffix}"
         mapped = _GGUF_LAYER_NAMES.get(part)
         return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
     mapped = _GGUF_TOP_NAMES.get(stem)
@@ -415,12 +430,17 @@ def _iter_gguf_weights(
             rope_heads = hf_config[
                 "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
             ]
+        stacked = "{}" in name  # experts: one weight each, as Hugging Face names them
         if (
             keep_quantized
             and tensor.tensor_type.name not in GGUF_PLAIN_TYPES
             and not _kept(name, keep_full_precision)
         ):
             try:
+                if stacked:
+                    for expert, data in enumerate(tensor.data):
+                        yield name.format(expert), from_gguf(tensor.tensor_type.name, data)
+                    continue
                 weight = from_gguf(tensor.tensor_type.name, tensor.data)
             except (NotImplementedError, ValueError) as e:
                 raise ValueError(
@@ -442,6 +462,10 @@ def _iter_gguf_weights(
         )  # owned, writable
         if rope_heads is not None:
             w = _unpermute_rope(w, rope_heads)
+        if stacked:
+            for expert in range(w.shape[0]):
+                yield name.format(expert), torch.from_numpy(w[expert])
+            continue
         yield name, torch.from_numpy(w)
 
 
