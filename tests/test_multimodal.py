@@ -305,3 +305,24 @@ def test_generate_command_takes_image_files(tiny_llava, tmp_path, capsys):
     assert main([*args, "--image", str(tmp_path / "missing.png"), "x"]) == 2
     assert main([*args, "--no-chat", "--image", str(path), "no placeholder"]) == 2
     assert "0 image placeholder(s)" in capsys.readouterr().err
+
+
+def test_parallel_sampling_and_speculation_with_images(tiny_llava):
+    """n > 1 siblings fork after the image and share its blocks; n-gram drafts verify
+    on a prompt with an image; greedy outputs stay the plain run's."""
+    prompts = mixed_prompts()[:4]
+    plain = tokens(LLM(tiny_llava, dtype="float32").generate(prompts, GREEDY, use_tqdm=False))
+    llm = LLM(tiny_llava, dtype="float32")
+    outs = llm.generate(prompts, SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0.0),
+                        use_tqdm=False)  # fmt: skip
+    for out, expected in zip(outs, plain, strict=True):
+        assert [list(c.token_ids) for c in out.outputs] == [expected] * 3
+    assert llm.llm_engine.model_runner.num_images_encoded == 4
+    spec = LLM(tiny_llava, dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "disable_by_batch_size": 8})  # fmt: skip
+    long = SamplingParams(max_tokens=40, temperature=0.0)
+    assert tokens(spec.generate(prompts, long, use_tqdm=False)) == tokens(
+        LLM(tiny_llava, dtype="float32").generate(prompts, long, use_tqdm=False)
+    )
+    assert spec.llm_engine.get_stats().spec_decoding.num_draft_tokens > 0
