@@ -244,10 +244,11 @@ def test_lora_on_moe_is_refused(moe_models):
         LLM(moe_models["olmoe"], dtype="float32", enable_lora=True)
 
 
-def write_mixtral_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type: str = "F32"):
-    """A llama.cpp-layout Mixtral GGUF of the HF folder's weights (q/k rows permuted as
-    convert_hf_to_gguf does, experts stacked per layer), with `tokenizer_gguf`'s
-    tokenizer; the experts in `expert_type`."""
+def write_moe_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type: str = "F32"):
+    """A llama.cpp-layout GGUF of the HF folder's Mixtral ("llama" with experts; q/k
+    rows permuted as convert_hf_to_gguf does) or Qwen2-MoE ("qwen2moe": q/k/v biases,
+    the shared expert and its gate), experts stacked per layer, with
+    `tokenizer_gguf`'s tokenizer; the experts in `expert_type`."""
     import json
     import os
 
@@ -267,7 +268,11 @@ def write_mixtral_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type:
         cfg["num_key_value_heads"],
         cfg["hidden_size"],
     )
-    writer = GGUFWriter(path, "llama")
+    mixtral = "num_local_experts" in cfg
+    arch, moe = ("llama", "block_sparse_moe") if mixtral else ("qwen2moe", "mlp")
+    num_experts = cfg["num_local_experts"] if mixtral else cfg["num_experts"]
+    expert_parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    writer = GGUFWriter(path, arch)
     for key, field in GGUFReader(tokenizer_gguf).fields.items():
         if key.startswith(("GGUF.", "llama.")) or key == "general.architecture":
             continue
@@ -283,10 +288,15 @@ def write_mixtral_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_expert_count(cfg["num_local_experts"])
+    writer.add_expert_count(num_experts)
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if not mixtral:
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
-    def permute(x, n):  # llama.cpp's order of q/k rows: rotary pairs interleaved
+    def permute(x, n):  # llama.cpp's order of Llama's q/k rows: rotary pairs interleaved
+        if not mixtral:
+            return x
         return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
     writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
@@ -302,18 +312,21 @@ def write_mixtral_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type:
             "attn_k": permute(w[p + "self_attn.k_proj.weight"], kv_heads),
             "attn_v": w[p + "self_attn.v_proj.weight"],
             "attn_output": w[p + "self_attn.o_proj.weight"],
-            "ffn_gate_inp": w[p + "block_sparse_moe.gate.weight"],
+            "ffn_gate_inp": w[f"{p}{moe}.gate.weight"],
         }
+        if not mixtral:
+            for part, hf in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                parts[f"ffn_{part}_shexp"] = w[f"{p}mlp.shared_expert.{hf}.weight"]
+            parts["ffn_gate_inp_shexp"] = w[p + "mlp.shared_expert_gate.weight"][0]
+            for part in ("q", "k", "v"):
+                writer.add_tensor(f"blk.{i}.attn_{part}.bias", w[f"{p}self_attn.{part}_proj.bias"])
         for part, x in parts.items():
             writer.add_tensor(f"blk.{i}.{part}.weight", np.ascontiguousarray(x))
-        for part, hf in (("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")):
-            stacked = np.stack(
-                [
-                    w[f"{p}block_sparse_moe.experts.{e}.{hf}.weight"]
-                    for e in range(cfg["num_local_experts"])
-                ]
-            )
-            if expert_type == "F32":
+        for part, hf in zip(
+            ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), expert_parts, strict=True
+        ):
+            stacked = np.stack([w[f"{p}{moe}.experts.{e}.{hf}.weight"] for e in range(num_experts)])
+            if expert_type == "F32" or stacked.shape[-1] % 32:  # Qwen2-MoE's 48-wide downs
                 writer.add_tensor(f"blk.{i}.{part}.weight", stacked)
             else:
                 writer.add_tensor(
@@ -325,26 +338,28 @@ def write_mixtral_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type:
     writer.close()
 
 
-@pytest.fixture(scope="module")
-def mixtral_gguf(tmp_path_factory, gguf_path):
-    """(HF folder of a tiny Mixtral with SmolLM2's vocabulary size, its GGUF twin in F32,
-    and in Q8_0 experts)."""
-    root = tmp_path_factory.mktemp("mixtral-gguf")
-    folder = make_model(str(root / "hf"), "mixtral", vocab_size=49152)
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def moe_gguf(request, tmp_path_factory, gguf_path):
+    """(HF folder of a tiny MoE model with SmolLM2's vocabulary size, its GGUF twin in
+    F32, and in Q8_0 experts)."""
+    root = tmp_path_factory.mktemp(f"{request.param}-gguf")
+    folder = make_model(str(root / "hf"), request.param, vocab_size=49152)
     f32, q8 = str(root / "f32.gguf"), str(root / "q8_0.gguf")
-    write_mixtral_gguf(f32, folder, gguf_path)
-    write_mixtral_gguf(q8, folder, gguf_path, "Q8_0")
+    write_moe_gguf(f32, folder, gguf_path)
+    write_moe_gguf(q8, folder, gguf_path, "Q8_0")
     return folder, f32, q8
 
 
-def test_mixtral_gguf_matches_hf(mixtral_gguf):
-    """llama.cpp's Mixtral layout (stacked experts, the router as ffn_gate_inp): greedy
-    tokens equal transformers' on the HF folder the file was written from."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_moe_gguf_matches_hf(moe_gguf):
+    """llama.cpp's MoE layouts (stacked experts, the router as ffn_gate_inp; Qwen2-MoE's
+    shared expert): greedy tokens equal transformers' on the HF folder the file was
+    written from."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder, f32, q8 = mixtral_gguf
+    folder, f32, q8 = moe_gguf
     llm = LLM(f32, dtype="float32", kv_cache_memory_bytes=1 << 24)
-    assert llm.llm_engine.model_config.architecture == "MixtralForCausalLM"
+    expected_arch = AutoConfig.from_pretrained(folder).architectures[0]
+    assert llm.llm_engine.model_config.architecture == expected_arch
     prompts = tiny_prompts(AutoTokenizer.from_pretrained(folder), n=8, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -46,7 +46,11 @@ _TEXT_ARCHITECTURES = {
 }
 # Weights that stay floats whatever the quantization: a vision encoder and its projector.
 _FLOAT_ONLY = ("vision_tower.", "multi_modal_projector.")
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+}
 
 
 def resolve_model(model: str | None) -> tuple[str, bool]:
@@ -183,13 +187,23 @@ def _gguf_config(reader) -> dict[str, Any]:
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    # llama.cpp writes Mixtral as "llama" with experts: its experts stacked per layer.
+    # Experts come stacked per layer. llama.cpp writes Mixtral as "llama" with experts.
     experts = {}
-    if get("expert_count"):
+    if arch == "llama" and get("expert_count"):
         experts = {
             "architectures": ["MixtralForCausalLM"],
             "num_local_experts": int(get("expert_count")),
             "num_experts_per_tok": int(get("expert_used_count")),
+        }
+    elif arch == "qwen2moe":
+        experts = {
+            "num_experts": int(get("expert_count")),
+            "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0)),
+            "norm_topk_prob": bool(get("expert_weights_norm", False)),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
         }
     return {
         "architectures": [_GGUF_ARCHITECTURES[arch]],
@@ -207,7 +221,7 @@ def _gguf_config(reader) -> dict[str, Any]:
         "max_position_embeddings": int(get("context_length", 2048)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": arch == "qwen2",
+        "attention_bias": arch in ("qwen2", "qwen2moe"),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         **experts,
@@ -385,6 +399,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # An MoE layer's experts, stacked [experts, rows, columns] in one tensor each.
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
@@ -466,6 +484,8 @@ def _iter_gguf_weights(
             for expert in range(w.shape[0]):
                 yield name.format(expert), torch.from_numpy(w[expert])
             continue
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # llama.cpp keeps this one-row matrix as a vector
         yield name, torch.from_numpy(w)
 
 
