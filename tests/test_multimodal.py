@@ -35,8 +35,8 @@ def data_uri(img, fmt: str = "PNG") -> str:
 
 
 def mixed_prompts() -> list[dict]:
-    """9 prompts: 6 with images (different sizes, one with two, one image repeated),
-    3 text-only."""
+    """10 prompts: 7 with images (different sizes, one with two, one with the same image
+    twice, images shared between prompts), 3 text-only."""
     imgs = [image(i, (30 + 9 * i, 60 - 5 * i)) for i in range(5)]
     prompts = [
         {"prompt": f"Describe <image> please {i}", "multi_modal_data": {"image": imgs[i]}}
@@ -51,6 +51,7 @@ def mixed_prompts() -> list[dict]:
         {"prompt": "Hello world, how are you today?"},
         {"prompt": "<image> first, text after", "multi_modal_data": {"image": [imgs[2]]}},
         {"prompt": "Paged attention keeps the KV cache in blocks."},
+        {"prompt": "<image> and again <image>", "multi_modal_data": {"image": [imgs[3]] * 2}},
     ]
     return prompts
 
@@ -229,6 +230,15 @@ def test_bad_images_are_refused_and_the_engine_serves_on(tiny_llava, tiny_llama)
     chat_refused(remote, r"messages\[0\]\.content\[0\]\.image_url is a remote URL")
     chat_refused({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "data: URI")
     chat_refused({"type": "video_url", "video_url": {"url": "x"}}, "must be")
+    chat_refused({"type": "text"}, "must be")  # a part without its value
+    chat_refused({"type": "image_url"}, "must be")
+    chat_refused({"type": "image_url", "image_url": {"url": "http://[x/a.png"}}, "well-formed URL")
+    chat_refused({"type": "image_pil", "image_pil": "https://example.com/a.png"}, "PIL image")
+    strip = Image.new("RGB", (2, 200))
+    chat_refused({"type": "image_pil", "image_pil": strip}, "at most 50 times the shorter")
+    with pytest.raises(InvalidRequestError, match="content") as e:
+        llm.chat([{"role": "user", "content": 42}], GREEDY, use_tqdm=False)
+    assert e.value.param == "messages"
     # Three images in one conversation, over the limit of two.
     three = [{"type": "image_pil", "image_pil": img}] * 3
     with pytest.raises(InvalidRequestError, match="more than 2 images"):
@@ -326,3 +336,26 @@ def test_parallel_sampling_and_speculation_with_images(tiny_llava):
         LLM(tiny_llava, dtype="float32").generate(prompts, long, use_tqdm=False)
     )
     assert spec.llm_engine.get_stats().spec_decoding.num_draft_tokens > 0
+
+
+def test_parallel_sampling_with_a_cached_fork_point(tiny_llava):
+    """n = 2 on a prompt whose fork point (all but its last token) is whole blocks the
+    prefix cache already holds: the leader has nothing to compute and must still fork."""
+    llm = LLM(tiny_llava, dtype="float32", block_size=16)
+    images = llm.llm_engine.processor.images
+    text = next(
+        t
+        for t in (f"<image>{' a' * k}" for k in range(40))
+        if (len(images.process(t, [image(8)], "prompt")[0]) - 1) % 16 == 0
+    )
+    prompt = {"prompt": text, "multi_modal_data": {"image": image(8)}}
+    params = SamplingParams(n=2, max_tokens=4, temperature=0.0)
+    engine = llm.llm_engine
+    for round_ in range(2):  # the second finds the fork point cached
+        engine.add_request(f"r{round_}", prompt, params)
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        assert not engine.has_unfinished_requests(), f"round {round_} did not finish"
+    assert engine.get_stats().kv_cache.prefix_cache_hits > 0

@@ -29,6 +29,12 @@ def image_host():
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - the stdlib's name
+            if self.path == "/redirect":  # to the allowed image: still refused
+                self.send_response(302)
+                self.send_header("location", "/cat.png")
+                self.send_header("content-length", "0")
+                self.end_headers()
+                return
             body = files.get(self.path)
             self.send_response(200 if body is not None else 404)
             self.send_header("content-length", str(len(body or b"")))
@@ -119,6 +125,8 @@ def test_bad_images_are_400(server, url, match):
 def test_fetch_failures_and_limits_are_400(server, image_host):
     assert "could not be fetched" in bad(server, ask(image_host + "/missing.png"))["message"]
     assert "larger than the limit" in bad(server, ask(image_host + "/big.png"))["message"]
+    assert "redirects are not followed" in bad(server, ask(image_host + "/redirect"))["message"]
+    assert "well-formed URL" in bad(server, ask("http://[x/a.png"))["message"]
     three = [{"type": "image_url", "image_url": {"url": data_uri(image(i))}} for i in range(3)]
     assert "more than 2 images" in bad(server, [{"role": "user", "content": three}])["message"]
     one = [{"role": "user", "content": "<image> <image> two placeholders, no image"}]

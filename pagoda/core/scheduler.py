@@ -184,7 +184,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if num_new == 0 and request.mm_features:  # its next image must wait a step
+            if self._waits_for_image(request, request.num_computed_tokens, num_new):
                 i += 1
                 continue
             # Drafts never take a block that a request after this one may need.
@@ -223,6 +223,8 @@ class Scheduler:
                 break  # never readmit in the step that preempted it
             if kv.is_swapped(request):
                 num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+                if self._waits_for_image(request, request.num_computed_tokens, num_new):
+                    break
                 if kv.swap_in(request, num_new) is None:
                     break
             else:
@@ -230,8 +232,8 @@ class Scheduler:
                 if request.sampling_params.prompt_logprobs is None:  # those need every position
                     hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
                 num_new = self._num_new_tokens(request, num_hit_tokens, budget)
-                if num_new == 0 and request.mm_features and request.num_tokens > num_hit_tokens:
-                    break  # its first image waits for encoder budget (not a fork point)
+                if self._waits_for_image(request, num_hit_tokens, num_new):
+                    break
                 if kv.allocate_slots(request, num_new, hit_block_ids) is None:
                     break
                 if request.sampling_params.prompt_logprobs is None:
@@ -301,9 +303,8 @@ class Scheduler:
             # next step writes over it.
             num_rejected = item.num_draft_tokens - (len(token_ids) - 1 if token_ids else 0)
             request.num_computed_tokens += len(item.token_ids) - num_rejected
-            for feature in item.mm_features:  # images it has computed past
-                if feature.offset + feature.length <= request.num_computed_tokens:
-                    self.encoder_cache.release(feature.hash, request.request_id)
+            if item.mm_features:
+                self._release_images(request, request.num_computed_tokens)
             if num_rejected:  # their blocks go back: no swap or stat should count them
                 self.kv_cache_manager.free_past(request, request.num_computed_tokens)
             prompt_len = request.num_prompt_tokens
@@ -369,11 +370,19 @@ class Scheduler:
 
     # ---- policies -------------------------------------------------------------
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        limit = request.num_tokens
+    def _token_limit(self, request: Request) -> int:
+        """How far the request may compute: all its tokens, or a leader up to its fork point."""
         if request.request_id in self.fork_waiters:
-            limit = request.num_prompt_tokens - 1  # stop at the fork point
-        num_new = min(limit - num_computed, budget)
+            return request.num_prompt_tokens - 1
+        return request.num_tokens
+
+    def _waits_for_image(self, request: Request, num_computed: int, num_new: int) -> bool:
+        """Nothing to compute this step although tokens remain: its next image waits for
+        encoder budget or cache room (not a leader at its fork point)."""
+        return num_new == 0 and num_computed < self._token_limit(request)
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = min(self._token_limit(request) - num_computed, budget)
         if request.mm_features:
             num_new = self._fit_images(request, num_computed, num_new)
         return num_new
@@ -522,25 +531,37 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _release_images(self, request: Request) -> None:
+    def _release_images(self, request: Request, computed: int | None = None) -> None:
+        """Let go of the images the request no longer needs: all of them (computed None),
+        or those wholly before `computed` that do not come again after it."""
+        ahead = (
+            set()
+            if computed is None
+            else {f.hash for f in request.mm_features if f.offset + f.length > computed}
+        )
         for feature in request.mm_features:
-            self.encoder_cache.release(feature.hash, request.request_id)
+            if feature.hash not in ahead:
+                self.encoder_cache.release(feature.hash, request.request_id)
 
     def _use_images(self, request: Request, start: int, end: int) -> list:
         """The request's images that positions start..end-1 cover: each one's encoder
-        output is held for it from now on (a new one charged to the step's budget)."""
-        cache, features = self.encoder_cache, []
-        for feature in request.mm_features:
-            if feature.offset >= end or feature.offset + feature.length <= start:
-                continue
-            if request.request_id not in cache.users.get(feature.hash, ()):
+        output is held for it from now on (a new one charged to the step's budget).
+        Held ones are taken first, so making room for a new one never evicts them."""
+        cache, request_id = self.encoder_cache, request.request_id
+        features = [
+            f for f in request.mm_features if f.offset < end and f.offset + f.length > start
+        ]
+        for feature in features:
+            if request_id not in cache.users.get(feature.hash, ()):
                 cache.queries += 1
                 cache.hits += cache.holds(feature.hash)
+            if cache.holds(feature.hash):
+                cache.use(feature.hash, request_id)
+        for feature in features:
             if not cache.holds(feature.hash):
                 cache.add(feature.hash, feature.length)
                 self.encoder_budget -= feature.length
-            cache.use(feature.hash, request.request_id)
-            features.append(feature)
+                cache.use(feature.hash, request_id)
         return features
 
     def _scheduled(

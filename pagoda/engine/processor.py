@@ -487,10 +487,10 @@ class Processor:
         content = message.get("content")
         if isinstance(content, list):
             content = self._check_parts(content, f"{where}.content", images, walks_parts)
-        elif content is None:
-            content = ""
-        if isinstance(content, str):
-            content = check_text(content, "messages", where=f"{where}.content")
+        else:
+            content = check_text(
+                "" if content is None else content, "messages", where=f"{where}.content"
+            )
         out = {"role": role, "content": content}
         if message.get("name") is not None:
             out["name"] = check_text(message["name"], "messages", 256, where=f"{where}.name")
@@ -512,7 +512,7 @@ class Processor:
         for j, part in enumerate(parts):
             kind = part.get("type") if isinstance(part, dict) else None
             key = CONTENT_PARTS.get(kind) if isinstance(kind, str) else None
-            if key is None or set(part) - {"type", key}:
+            if key is None or set(part) != {"type", key}:
                 why = "must be {'type': 'text', 'text': ...}" + (
                     ", {'type': 'image_url', 'image_url': {'url': ...}} or "
                     "{'type': 'image_pil', 'image_pil': PIL.Image}"
@@ -528,6 +528,9 @@ class Processor:
                 _fail("messages", "holds an image, but this model takes no images",
                       where=f"{where}[{j}]")  # fmt: skip
             value = part[key]
+            if key == "image_pil" and isinstance(value, str):
+                _fail("messages", "must be a PIL image (send URLs as image_url)",
+                      where=f"{where}[{j}].image_pil")  # fmt: skip
             if key == "image_url":
                 if isinstance(value, dict) and set(value) <= {"url", "detail"}:
                     value = value.get("url")

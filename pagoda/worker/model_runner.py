@@ -128,12 +128,12 @@ class ModelRunner:
         # Decodes (one query token, or one and its drafts) first: attention batches
         # them in one call. Within each, requests of one adapter side by side: its
         # tokens form one segment of the LoRA products.
+        for image_hash in sched.encoder_cache_evicted:
+            self.encoder_cache.pop(image_hash, None)
         reqs = sorted(sched.scheduled, key=lambda r: (not _is_decode(r), r.lora_int_id))
         if not reqs:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
-        for image_hash in sched.encoder_cache_evicted:
-            self.encoder_cache.pop(image_hash, None)
         inputs_embeds = None
         if any(r.mm_features for r in reqs):
             inputs_embeds = self._embed_with_images(reqs, input_ids, cu_q)
@@ -210,7 +210,7 @@ class ModelRunner:
         for features in by_shape.values():
             pixels = torch.stack([f.data for f in features])
             for f, rows in zip(features, self.model.encode_images(pixels), strict=True):
-                self.encoder_cache[f.hash] = rows[: f.length]
+                self.encoder_cache[f.hash] = rows.clone()  # not a view of the batch
             self.num_images_encoded += len(features)
         embeds = self.model.embed_input_ids(input_ids)  # [T, hidden]
         for i, r in enumerate(reqs):

@@ -368,9 +368,11 @@ def build_app(
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         completion.check_model(req.model)
         if req.messages is not None:
+            conversation = chat.conversation(req)
+            await chat.fetch_images(conversation)
             _, tokens, _ = await engine.run_in_processor(
                 processor.render_chat,
-                chat.conversation(req),
+                conversation,
                 req.add_generation_prompt,
                 req.chat_template_kwargs,
             )

@@ -126,18 +126,18 @@ class OpenAIServingChat(OpenAIServing):
         """Fetch the image URLs on allowed hosts (--allowed-media-domains) in worker
         threads, in place: each part's url becomes the fetched bytes."""
         limits = self.processor.limits
-        found = allowed_remote_images(messages, limits)
         try:
+            found = allowed_remote_images(messages, limits)
             data = await asyncio.gather(
                 *(
                     asyncio.to_thread(fetch_image_bytes, url, limits, "messages", where)
-                    for _, url, where in found
+                    for _, _, url, where in found
                 )
             )
         except InvalidRequestError as e:
             raise from_invalid(e) from e
-        for (value, _, _), payload in zip(found, data, strict=True):
-            value["url"] = payload
+        for (holder, key, _, _), payload in zip(found, data, strict=True):
+            holder[key] = payload
 
     async def start(
         self, req: ChatCompletionRequest, trace_headers: Mapping[str, str] | None = None

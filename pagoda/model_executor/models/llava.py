@@ -19,6 +19,7 @@ from torch import nn
 
 from pagoda.model_executor.models.llama import LlamaForCausalLM
 from pagoda.model_executor.quantization import QuantizedWeight
+from pagoda.multimodal import num_image_tokens
 from pagoda.ops import TORCH_OPS, Ops
 
 _ACTIVATIONS = {
@@ -143,10 +144,7 @@ class LlavaForConditionalGeneration(nn.Module):
         projector.linear_2 = _empty_linear(cfg["hidden_size"], cfg["hidden_size"], bias)
         self.multi_modal_projector = projector
         self.projector_act = _activation(vision.get("projector_hidden_act", "gelu"))
-        patches = (self.vision_tower.image_size // self.vision_tower.patch_size) ** 2
-        cls = 1 if self.vision_tower.clip else 0
-        # Image tokens per image: one per patch (and the class token's, for "full").
-        self.num_image_tokens = patches + (0 if self.drop_class_token else cls)
+        self.num_image_tokens = num_image_tokens(vision)
         self.language_model = LlamaForCausalLM(
             {**cfg, "architectures": cfg["text_architectures"]}, ops
         )
