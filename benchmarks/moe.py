@@ -1,7 +1,7 @@
 """Mixture of experts on the CPU: a decode step of a Mixtral-shaped model against a
 dense model with the same active parameters, and what the routing costs.
 
-    python benchmarks/moe.py [--batch-sizes 1,64] [--steps 48]
+    python benchmarks/moe.py [--batch-sizes 1,64] [--steps 48] [--quantization q4_1]
 
 Two random models in bf16, saved as Hugging Face folders (nothing downloaded), the
 same but for the MLP: `moe` has 8 experts of intermediate size 1536 with 2 chosen
@@ -124,6 +124,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--quantization", default="none", help="the models' weights at load, e.g. q4_1")
     ns = ap.parse_args()
     batches = [int(b) for b in ns.batch_sizes.split(",")]
     root = tempfile.mkdtemp()
@@ -143,13 +144,18 @@ def main() -> int:
     ):
         engine = LLMEngine.from_engine_args(
             EngineArgs(
-                model=folder, dtype="bfloat16", enforce_eager=eager, kv_cache_memory_bytes=256 << 20
+                model=folder,
+                dtype="bfloat16",
+                enforce_eager=eager,
+                kv_cache_memory_bytes=256 << 20,
+                quantization=ns.quantization,
             )  # fmt: skip
         )
         decode_steps(engine, 4, 8)  # warm up the kernels' shapes
         rows[name] = [decode_steps(engine, b, ns.steps) for b in batches]
         del engine
-    print(f"\ndecode step, median of {ns.steps} steps (bf16, hidden 1024, 8 layers):")
+    weights = "bf16" if ns.quantization == "none" else f"{ns.quantization} weights, bf16"
+    print(f"\ndecode step, median of {ns.steps} steps ({weights}, hidden 1024, 8 layers):")
     print(f"{'model':<26}" + "".join(f"{f'B={b} ms':>12}" for b in batches))
     for name, results in rows.items():
         print(f"{name:<26}" + "".join(f"{1000 * t:>12.2f}" for t in results))

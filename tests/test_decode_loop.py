@@ -90,6 +90,12 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
         ("qwen2_moe", {"dtype": "bfloat16"}, 8),
         ("olmoe", {"dtype": "float32"}, 16),  # q/k norms
         ("olmoe_clip", {"dtype": "bfloat16"}, 8),  # and clip_qkv
+        # Quantized experts: one loop linear per expert (Qwen2-MoE's 48-wide downs stay
+        # stacked floats beside quantized gate/ups).
+        ("mixtral", {"dtype": "bfloat16", "quantization": "q8_0"}, 16),
+        ("mixtral", {"dtype": "bfloat16", "quantization": "q4_1"}, 16),
+        ("qwen2_moe", {"dtype": "bfloat16", "quantization": "q4_0"}, 8),
+        ("mixtral", {"dtype": "float32", "quantization": "w8a8", "int8_activations": True}, 8),
     ],
 )
 @pytest.mark.parametrize("batch", [1, 5, 12])
@@ -105,6 +111,6 @@ def test_decode_loop_runs_moe_layers_as_eager(moe_models, arch, kwargs, max_rows
         assert a.logprobs == b.logprobs
 
 
-def test_decode_loop_not_built_for_moe_it_cannot_run(moe_models):
-    used, _ = run(moe_models["mixtral"], [[5, 6, 7]], False, dtype="float32", quantization="q8_0")
-    assert not used  # quantized experts are not in the loop
+def test_decode_loop_not_built_for_a_quantized_kv_cache(moe_models):
+    used, _ = run(moe_models["mixtral"], [[5, 6, 7]], False, dtype="float32", kv_cache_dtype="int8")
+    assert not used  # the loop reads an unquantized cache only

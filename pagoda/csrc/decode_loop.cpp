@@ -78,6 +78,9 @@ struct MoE {
   int64_t top_k;
   bool renormalize;
   int64_t shared_gate_up, shared_down, shared_gate;
+  // Quantized experts: each one's gate_up (down) as a linear of its own, by index into
+  // DecodeLoop::linears; empty: the stacked w13 (w2) above.
+  std::vector<int64_t> gate_up_linears, down_linears;
 };
 
 // OLMoE's RMSNorm over the whole q and k projections, then q, k, v clamped (clip_qkv
@@ -148,7 +151,22 @@ class DecodeLoop {
     TORCH_CHECK(!layers_.empty(), "set_moe: no layer");
     TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0), "set_moe: bad experts");
     layers_.back().moe = MoE{router, w13, w2, top_k, renormalize, shared_gate_up, shared_down,
-                             shared_gate};
+                             shared_gate, {}, {}};
+  }
+
+  // The last MoE layer's experts that are quantized: one linear each (add_linear) for
+  // gate_up and/or down, in expert order; an empty list keeps that part stacked.
+  void set_moe_experts(std::vector<int64_t> gate_up, std::vector<int64_t> down) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().moe.has_value(), "set_moe_experts: no MoE");
+    MoE& M = *layers_.back().moe;
+    const int64_t n = static_cast<int64_t>(linears_.size());
+    for (const std::vector<int64_t>* v : {&gate_up, &down}) {
+      TORCH_CHECK(v->empty() || static_cast<int64_t>(v->size()) == M.w13.size(0),
+                  "set_moe_experts: one linear per expert");
+      for (int64_t i : *v) TORCH_CHECK(i >= 0 && i < n, "no linear ", i);
+    }
+    M.gate_up_linears = std::move(gate_up);
+    M.down_linears = std::move(down);
   }
 
   // x: [T, hidden], the embedded tokens (written over) -> the final norm's output.
@@ -215,8 +233,15 @@ class DecodeLoop {
     for (int64_t e = 0; e < counts.size(0); ++e) {
       const int64_t n = cp[e];
       if (n == 0) continue;
-      const std::vector<at::Tensor> gate_up = dense(xs.narrow(0, start, n), M.w13[e]).chunk(2, -1);
-      out.narrow(0, start, n).copy_(dense(at::silu(gate_up[0]) * gate_up[1], M.w2[e]));
+      const at::Tensor rows = xs.narrow(0, start, n);
+      const std::vector<at::Tensor> gate_up =
+          (M.gate_up_linears.empty() ? dense(rows, M.w13[e])
+                                     : linears_[M.gate_up_linears[e]](rows, c10::nullopt))
+              .chunk(2, -1);
+      const at::Tensor act = at::silu(gate_up[0]) * gate_up[1];
+      out.narrow(0, start, n).copy_(M.down_linears.empty()
+                                        ? dense(act, M.w2[e])
+                                        : linears_[M.down_linears[e]](act, c10::nullopt));
       start += n;
     }
     at::Tensor y = moe_combine(out, grouped[1], grouped[2], h.size(0));
@@ -254,6 +279,7 @@ void bind_decode_loop(py::module_& m) {
       .def("set_moe", &DecodeLoop::set_moe, py::arg("router"), py::arg("w13"), py::arg("w2"),
            py::arg("top_k"), py::arg("renormalize"), py::arg("shared_gate_up"),
            py::arg("shared_down"), py::arg("shared_gate"))
+      .def("set_moe_experts", &DecodeLoop::set_moe_experts, py::arg("gate_up"), py::arg("down"))
       .def("run", &DecodeLoop::run, "The decode step's layers and final norm (x written over)",
            py::arg("x"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
            py::arg("seq_lens"), py::arg("lora_segments") = py::none(),

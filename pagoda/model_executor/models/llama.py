@@ -249,13 +249,23 @@ class LlamaModel(nn.Module):
             if dense:
                 continue
             experts = mlp.experts
-            if experts.quantized:  # the loop's experts are dense tensors
-                return 0
-            # The experts' products: dense linears of their own (the loop's `dense`).
-            spec = ops.decode_loop_linear(experts.w13[0], None, None)
-            if spec is None:
-                return 0
-            max_rows = min(max_rows, spec[1])
+            # The experts' products: stacked dense tensors (the loop's `dense`), or
+            # quantized, one linear per expert.
+            expert_linears = {}
+            for part, stacked, quantized in (
+                ("gate_up", experts.w13, experts.q13),
+                ("down", experts.w2, experts.q2),
+            ):
+                specs = (
+                    [ops.decode_loop_linear(stacked[0], None, None)]
+                    if quantized is None
+                    else [ops.decode_loop_linear(None, q, None) for q in quantized]
+                )
+                if None in specs:
+                    return 0
+                max_rows = min(max_rows, *(rows for _, rows in specs))
+                if quantized is not None:
+                    expert_linears[part] = [loop.add_linear(*args) for args, _ in specs]
             shared = [-1, -1, -1]
             if mlp.shared_expert is not None:
                 shared_mlp = mlp.shared_expert
@@ -267,9 +277,19 @@ class LlamaModel(nn.Module):
             router = add(mlp.gate)
             if router is None or None in shared:
                 return 0
+            none = torch.empty(experts.num_experts, 0, 0)  # a part held per expert instead
             loop.set_moe(
-                router, experts.w13, experts.w2, experts.top_k, experts.renormalize, *shared
+                router,
+                none if experts.w13 is None else experts.w13,
+                none if experts.w2 is None else experts.w2,
+                experts.top_k,
+                experts.renormalize,
+                *shared,
             )
+            if expert_linears:
+                loop.set_moe_experts(
+                    expert_linears.get("gate_up", []), expert_linears.get("down", [])
+                )
         self.decode_loop, self.decode_loop_max_rows = loop, max_rows
         return max_rows
 
