@@ -279,6 +279,10 @@ def test_encoder_cache_manager_evicts_only_unused():
     assert cache.can_hold(60)
     cache.add("d", 60)
     assert sorted(cache.take_evicted()) == ["b", "c"] and cache.num_used == 60
+    # An unneeded output that a request is about to take again is not room.
+    cache.use("d", "r4")
+    cache.release("d", "r4")
+    assert cache.can_hold(30) and not cache.can_hold(30, keep={"d"})
 
 
 def test_quantized_text_model_keeps_the_vision_tower_float(tiny_llava):

@@ -12,6 +12,7 @@ only to make room. The runner drops what `take_evicted` reports.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 
 class EncoderCacheManager:
@@ -27,10 +28,11 @@ class EncoderCacheManager:
     def holds(self, image_hash: str) -> bool:
         return image_hash in self.sizes
 
-    def can_hold(self, rows: int) -> bool:
-        """Whether `rows` more fit once every output nobody needs is evicted (an output
-        larger than the whole cache fits only when nothing else is needed)."""
-        needed = self.num_used - sum(self.sizes[h] for h in self.unused)
+    def can_hold(self, rows: int, keep: Collection[str] = ()) -> bool:
+        """Whether `rows` more fit once every output nobody needs is evicted, but those
+        in `keep` (about to be needed); an output larger than the whole cache fits only
+        when nothing else is needed."""
+        needed = self.num_used - sum(self.sizes[h] for h in self.unused if h not in keep)
         return needed + rows <= self.capacity or needed == 0
 
     def add(self, image_hash: str, rows: int) -> None:

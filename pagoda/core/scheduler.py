@@ -392,13 +392,19 @@ class Scheduler:
         and does not fit this step's encoder budget or the encoder cache. An image
         larger than the whole budget runs alone in a step's encoder work."""
         cache, budget, rows = self.encoder_cache, self.encoder_budget, 0
+        # Held outputs this chunk covers will be taken (`_use_images`): not room to evict.
+        keep = {
+            f.hash
+            for f in request.mm_features
+            if f.offset < start + num_new and f.offset + f.length > start and cache.holds(f.hash)
+        }
         for feature in request.mm_features:
             if feature.offset >= start + num_new:
                 break
             if feature.offset + feature.length <= start or cache.holds(feature.hash):
                 continue
             first = budget == self.config.max_num_batched_tokens
-            if (feature.length <= budget or first) and cache.can_hold(rows + feature.length):
+            if (feature.length <= budget or first) and cache.can_hold(rows + feature.length, keep):
                 budget -= feature.length
                 rows += feature.length
                 continue
