@@ -8,7 +8,7 @@ torch here: the scheduler and block pool import this module.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class SchedulerConfig:
     max_loras: int | None = None
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 # The decode kernels read each weight once for up to 8 rows: a request and 7 drafts.
 MAX_SPECULATIVE_TOKENS = 7
 
@@ -79,7 +79,11 @@ class SpeculativeConfig:
     """Speculative decoding, vLLM's `speculative_config` (a dict on EngineArgs, JSON on
     the command line). "ngram" is prompt lookup: the k tokens that followed the most
     recent earlier occurrence of the sequence's last n tokens (n from
-    prompt_lookup_max down to prompt_lookup_min) are verified in one forward."""
+    prompt_lookup_max down to prompt_lookup_min) are verified in one forward. "draft"
+    (vLLM's "draft_model" too) runs a smaller or more quantized model with the same
+    vocabulary k steps ahead, greedily; `model` names it (default: the target's own
+    weights) and `quantization` says how it loads, so {"method": "draft"} beside
+    `quantization="none"` drafts with a GGUF file's own blocks for its bf16 expansion."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: drafts verified per step and request
@@ -90,6 +94,8 @@ class SpeculativeConfig:
     # `grounded`, 2-core Sapphire Rapids (benchmarks/speculative.py): 1.31x at one
     # request, 1.18x at 2, 0.94x at 4, 0.89x at 8.
     disable_by_batch_size: int = 3
+    model: str | None = None  # "draft": its checkpoint (None: the target's)
+    quantization: str = "auto"  # "draft": see QUANTIZATIONS
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> SpeculativeConfig:
@@ -102,13 +108,15 @@ class SpeculativeConfig:
                 f"speculative_config: unknown field(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(known))}."
             )
+        if spec.get("method") == "draft_model":  # vLLM's name for it
+            spec = {**spec, "method": "draft"}
         config = cls(**spec)
         if config.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
-                f"got {config.method!r} (a draft model is not supported yet)."
+                f"got {config.method!r}."
             )
-        for name in known - {"method"}:
+        for name in known - {"method", "model", "quantization"}:
             value = getattr(config, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(
@@ -123,6 +131,15 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config.prompt_lookup_min must not exceed prompt_lookup_max "
                 f"({config.prompt_lookup_min} > {config.prompt_lookup_max})."
+            )
+        if config.method != "draft" and (config.model is not None or "quantization" in spec):
+            raise ValueError('speculative_config.model and .quantization are for method "draft".')
+        if config.model is not None and not isinstance(config.model, str):
+            raise ValueError(f"speculative_config.model must be a path, got {config.model!r}.")
+        if config.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config.quantization must be one of {QUANTIZATIONS}, "
+                f"got {config.quantization!r}."
             )
         return config
 
@@ -343,6 +360,44 @@ class EngineArgs:
             generation_defaults=generation_defaults,
             seed=self.seed,
         )
+
+    def create_draft_model_config(self, target: ModelConfig) -> ModelConfig | None:
+        """Speculative method "draft": the draft model's config, checked against the
+        target's (same vocabulary, context as long; text-only, since the draft sees
+        token ids alone). None for any other method."""
+        if self.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec.method != "draft":
+            return None
+        if "vision_config" in target.hf_config:
+            raise ValueError(
+                "speculative_config: draft-model speculation on a vision-language model is "
+                'not supported yet (use method "ngram").'
+            )
+        draft = replace(
+            self,
+            model=spec.model or self.model,
+            dtype=target.dtype,
+            quantization=spec.quantization,
+            max_model_len=None,
+            speculative_config=None,
+            enable_lora=False,
+        ).create_model_config()
+        name = f"speculative_config.model ({draft.model})"
+        if "vision_config" in draft.hf_config:
+            raise ValueError(f"{name} is a vision-language model; a draft must be text-only.")
+        if draft.hf_config["vocab_size"] != target.hf_config["vocab_size"]:
+            raise ValueError(
+                f"{name} has a vocabulary of {draft.hf_config['vocab_size']} tokens, the "
+                f"target {target.hf_config['vocab_size']}: a draft must share the target's."
+            )
+        if draft.max_model_len < target.max_model_len:
+            raise ValueError(
+                f"{name} holds {draft.max_model_len} positions, fewer than max_model_len "
+                f"({target.max_model_len}); lower max_model_len."
+            )
+        return draft
 
     def create_cache_config(self) -> CacheConfig:
         return CacheConfig(

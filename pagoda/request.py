@@ -77,6 +77,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Speculative method "draft": positions whose K/V the draft model holds (it
+        # catches up on the rest when it next drafts; 0 again after a preemption).
+        self.num_draft_computed = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -45,7 +45,7 @@ def test_propose_ngram():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ({"method": "draft"}, "method"),
+        ({"method": "eagle"}, "method"),
         ({"num_speculative_tokens": 8}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
@@ -248,11 +248,13 @@ def test_off_for_large_batches(tiny_llama, oracle):
     assert off.llm_engine.get_stats().spec_decoding.num_drafts == 0
 
 
-def test_sampling_keeps_the_target_distribution(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampling_keeps_the_target_distribution(tiny_llama, monkeypatch, method):
     """Unseeded draws: the token at a drafted position (the accepted draft or its
     replacement) and the one after an accepted draft follow Hugging Face's
-    probabilities (chi-square). The drafts are the target's likeliest tokens, fixed
-    in advance (how a draft was found does not matter to verification)."""
+    probabilities (chi-square). The drafts are the target's likeliest tokens: fixed in
+    advance in place of the n-gram lookup, or a draft model's greedy choices with the
+    target's own weights as the draft."""
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 
@@ -264,7 +266,8 @@ def test_sampling_keeps_the_target_distribution(tiny_llama, monkeypatch):
             logits = hf(torch.tensor([tokens])).logits[0, -1].double()
         return (logits / temperature).softmax(-1)
 
-    llm = engine(tiny_llama, {**NGRAM, "disable_by_batch_size": 1000}, max_num_seqs=256, seed=3)
+    spec = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 2}
+    llm = engine(tiny_llama, {**spec, "disable_by_batch_size": 1000}, max_num_seqs=256, seed=3)
     prompt = tiny_prompts(llm.get_tokenizer(), 1, seed=7)[0]
     first = int(probs(prompt).argmax())
     p1 = probs(prompt + [first])

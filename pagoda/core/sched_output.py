@@ -33,6 +33,11 @@ class ScheduledRequest:
     prompt_logprob_targets: list[int] | None = None
     prompt_logprobs_n: int = 0  # top-N to report per prompt position
     num_draft_tokens: int = 0
+    # Speculative method "draft": the drafts in `token_ids` are placeholders the runner
+    # fills; the draft model first computes these known tokens, from position
+    # `draft_input_start` (its K/V before that is current), then drafts.
+    draft_input_ids: list[int] = field(default_factory=list)
+    draft_input_start: int = 0
     # Under a grammar: its first row in SchedulerOutput.grammar_bitmask (one row per
     # sampled position: the last token's, then one after each draft).
     grammar_row: int | None = None

@@ -338,6 +338,15 @@ class Scheduler:
                 # one more than was accepted, after a full acceptance two more.
                 grow = 2 if accepted == item.num_draft_tokens else 1
                 self.num_drafts_next[request.request_id] = accepted + grow
+                if item.draft_input_ids:
+                    # The draft model computed the known tokens and its drafts but the
+                    # last: the accepted ones are current.
+                    request.num_draft_computed = (
+                        item.num_computed_tokens
+                        + len(item.token_ids)
+                        - item.num_draft_tokens
+                        + min(accepted, item.num_draft_tokens - 1)
+                    )
             status = None
             for n, token_id in enumerate(token_ids, 1):
                 request.append_output_token(token_id)
@@ -436,6 +445,10 @@ class Scheduler:
         )
         if k < 1:
             return []
+        if spec.method == "draft":
+            # Placeholders: the runner's draft model writes them. Its drafts are not
+            # known here, so not for requests whose grammar masks each draft's row.
+            return [] if request.grammar is not None else [0] * k
         drafts = propose_ngram(
             request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
@@ -526,6 +539,7 @@ class Scheduler:
         """
         self.running.remove(request)
         self._release_images(request)
+        request.num_draft_computed = 0  # the draft's K/V is neither swapped nor kept
         swap = self.config.preemption_mode == "swap" and not recompute
         if swap and self.kv_cache_manager.swap_out(request):
             self.num_preemptions["swap"] += 1
@@ -585,6 +599,10 @@ class Scheduler:
             token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
             num_computed_tokens=start,
             num_draft_tokens=len(drafts),
+            draft_input_ids=request.all_token_ids[request.num_draft_computed : start + num_new]
+            if drafts and self.config.speculative.method == "draft"
+            else [],
+            draft_input_start=request.num_draft_computed,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sampling_params=params if samples else None,
             num_output_tokens=request.num_output_tokens,

@@ -41,7 +41,12 @@ class LLMEngine:
         self.cache_config = cache_config = engine_args.create_cache_config()
         self.lora_config = engine_args.create_lora_config()
         self.tokenizer = load_tokenizer(model_config.path, model_config.is_gguf)
-        self.model_runner = ModelRunner(model_config, cache_config, self.lora_config)
+        self.model_runner = ModelRunner(
+            model_config,
+            cache_config,
+            self.lora_config,
+            engine_args.create_draft_model_config(model_config),
+        )
         num_blocks = self.model_runner.num_blocks
         capacity = num_blocks * cache_config.block_size
         max_model_len = model_config.max_model_len

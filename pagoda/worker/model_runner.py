@@ -36,6 +36,7 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         lora_config: LoRAConfig | None = None,
+        draft_model_config: ModelConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.block_size = cache_config.block_size
@@ -46,7 +47,12 @@ class ModelRunner:
         self.ops = select_ops(
             model_config.kernel_backend, self.dtype, model_config.int8_activations
         )
-        self.model = self._load_model(model_config)
+        self.model = load_model(model_config, self.ops)
+        self.drafter = None  # speculative method "draft": its model and KV pool
+        if draft_model_config is not None:
+            from pagoda.worker.draft_model import DraftModel  # it imports this module
+
+            self.drafter = DraftModel(draft_model_config, self.ops, self.block_size)
         self.lora_manager = (
             LoRAManager(
                 self.model,
@@ -78,35 +84,29 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.num_images_encoded = 0
 
-    def _load_model(self, mc: ModelConfig) -> torch.nn.Module:
-        # Built with uninitialized (so never touched, never resident) float32 weights; each
-        # gets its storage as it loads, in the model's dtype or in its quantized blocks.
-        # (Not the meta device: its first use imports about 70 MiB of Python.)
-        model = MODEL_REGISTRY[mc.architecture](mc.hf_config, self.ops)
-        weights = model_loader.iter_weights(
-            mc.path, mc.is_gguf, mc.hf_config, mc.quantization, mc.keep_full_precision
-        )
-        model.load_weights(weights, self.dtype)
-        _release_free_memory()  # the loader's scratch (file parses, repacking) goes back
-        return model.eval()
-
     def _allocate_kv_cache(self, budget_bytes: int, kv_cache_dtype: str) -> int:
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        attn = layers[0]
+        """As many blocks as the budget holds; with a draft model each block also holds
+        the draft's K/V for its tokens, in a pool of its own."""
+        num_layers, kv_heads, head_dim = kv_cache_shape(self.model)
         dtype = KV_CACHE_DTYPES.get(kv_cache_dtype, self.dtype)
-        shape = (len(layers), self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.bytes_per_block = PagedKVCache.bytes_per_block(*shape, dtype)
-        num_blocks = budget_bytes // self.bytes_per_block
+        self.bytes_per_block = PagedKVCache.bytes_per_block(
+            num_layers, self.block_size, kv_heads, head_dim, dtype
+        )
+        per_block = self.bytes_per_block
+        if self.drafter is not None:
+            per_block += self.drafter.bytes_per_block(dtype)
+        num_blocks = budget_bytes // per_block
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes ({budget_bytes}) is smaller than one block "
-                f"({self.bytes_per_block} bytes)."
+                f"({per_block} bytes)."
             )
         self.kv_cache = PagedKVCache(
-            len(layers), num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, dtype
+            num_layers, num_blocks, self.block_size, kv_heads, head_dim, dtype
         )
-        for i, layer in enumerate(layers):
-            layer.kv = self.kv_cache.layer(i)
+        attach_kv_cache(self.model, self.kv_cache)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks, dtype)
         self.kv_cache_dtype_name = (
             kv_cache_dtype if kv_cache_dtype != "auto" else str(dtype).removeprefix("torch.")
         )
@@ -130,9 +130,11 @@ class ModelRunner:
         # tokens form one segment of the LoRA products.
         for image_hash in sched.encoder_cache_evicted:
             self.encoder_cache.pop(image_hash, None)
-        reqs = sorted(sched.scheduled, key=lambda r: (not _is_decode(r), r.lora_int_id))
+        reqs = sorted(sched.scheduled, key=lambda r: (not is_decode(r), r.lora_int_id))
         if not reqs:
             return ModelRunnerOutput([], [])
+        if self.drafter is not None:
+            reqs = self.drafter.propose(reqs)
         input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
         inputs_embeds = None
         if any(r.mm_features for r in reqs):
@@ -196,6 +198,8 @@ class ModelRunner:
         if sched.blocks_to_copy:
             src, dst = zip(*sched.blocks_to_copy, strict=True)
             self.kv_cache.copy_blocks(self.kv_cache, list(src), list(dst))
+            if self.drafter is not None:  # the request keeps its draft positions
+                self.drafter.kv_cache.copy_blocks(self.drafter.kv_cache, list(src), list(dst))
 
     def _embed_with_images(
         self, reqs: list[ScheduledRequest], input_ids: torch.Tensor, cu_q: torch.Tensor
@@ -241,41 +245,45 @@ class ModelRunner:
         return out or None
 
     def _prepare_inputs(self, reqs: list[ScheduledRequest]):
-        bs = self.block_size
-        query_lens = torch.tensor([len(r.token_ids) for r in reqs])
-        context_lens = torch.tensor([r.num_computed_tokens for r in reqs])
-        cu_q = torch.zeros(len(reqs) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens, 0, out=cu_q[1:])
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = torch.tensor(
-            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]
-        )
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in reqs)))
-        num_tokens = input_ids.shape[0]
-        # Per token: which request, and its position within that request's sequence.
-        req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
-        positions = torch.arange(num_tokens) - cu_q[req_idx] + context_lens[req_idx]
-        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
-        # Decode rows are tokens: a request's drafts are decodes at successive positions,
-        # each seeing the context up to itself, exactly as decoding them one by one would.
-        num_decode_reqs = sum(1 for r in reqs if _is_decode(r))
-        num_decodes = int(cu_q[num_decode_reqs])
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            num_decodes=num_decodes,
-            decode_block_tables=block_tables[req_idx[:num_decodes]],
-            decode_seq_lens=positions[:num_decodes] + 1,
-            prefill_query_starts=cu_q[num_decode_reqs:-1].tolist(),
-            prefill_query_lens=query_lens[num_decode_reqs:].tolist(),
-            prefill_context_lens=context_lens[num_decode_reqs:].tolist(),
-            prefill_block_tables=[
-                block_tables[i, : len(reqs[i].block_ids)] for i in range(num_decode_reqs, len(reqs))
-            ],
-        )
-        return input_ids, positions, meta, cu_q
+        return prepare_inputs(reqs, self.block_size)
 
 
-def _is_decode(r: ScheduledRequest) -> bool:
+def prepare_inputs(reqs: list[ScheduledRequest], block_size: int):
+    """Flat inputs and attention metadata for `reqs`, decodes first: (input_ids,
+    positions, metadata, cu_q: each request's first row and the end)."""
+    bs = block_size
+    query_lens = torch.tensor([len(r.token_ids) for r in reqs])
+    context_lens = torch.tensor([r.num_computed_tokens for r in reqs])
+    cu_q = torch.zeros(len(reqs) + 1, dtype=torch.int64)
+    torch.cumsum(query_lens, 0, out=cu_q[1:])
+    max_blocks = max(len(r.block_ids) for r in reqs)
+    block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
+    input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in reqs)))
+    num_tokens = input_ids.shape[0]
+    # Per token: which request, and its position within that request's sequence.
+    req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
+    positions = torch.arange(num_tokens) - cu_q[req_idx] + context_lens[req_idx]
+    slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+    # Decode rows are tokens: a request's drafts are decodes at successive positions,
+    # each seeing the context up to itself, exactly as decoding them one by one would.
+    num_decode_reqs = sum(1 for r in reqs if is_decode(r))
+    num_decodes = int(cu_q[num_decode_reqs])
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        num_decodes=num_decodes,
+        decode_block_tables=block_tables[req_idx[:num_decodes]],
+        decode_seq_lens=positions[:num_decodes] + 1,
+        prefill_query_starts=cu_q[num_decode_reqs:-1].tolist(),
+        prefill_query_lens=query_lens[num_decode_reqs:].tolist(),
+        prefill_context_lens=context_lens[num_decode_reqs:].tolist(),
+        prefill_block_tables=[
+            block_tables[i, : len(reqs[i].block_ids)] for i in range(num_decode_reqs, len(reqs))
+        ],
+    )
+    return input_ids, positions, meta, cu_q
+
+
+def is_decode(r: ScheduledRequest) -> bool:
     return len(r.token_ids) == 1 or r.num_draft_tokens > 0
 
 
@@ -307,6 +315,30 @@ def _num_accepted(r: ScheduledRequest, sampled: list[int]) -> int:
     while n < len(drafts) and drafts[n] == sampled[n]:
         n += 1
     return n
+
+
+def load_model(mc: ModelConfig, ops) -> torch.nn.Module:
+    # Built with uninitialized (so never touched, never resident) float32 weights; each
+    # gets its storage as it loads, in the model's dtype or in its quantized blocks.
+    # (Not the meta device: its first use imports about 70 MiB of Python.)
+    model = MODEL_REGISTRY[mc.architecture](mc.hf_config, ops)
+    weights = model_loader.iter_weights(
+        mc.path, mc.is_gguf, mc.hf_config, mc.quantization, mc.keep_full_precision
+    )
+    model.load_weights(weights, _DTYPES[mc.dtype])
+    _release_free_memory()  # the loader's scratch (file parses, repacking) goes back
+    return model.eval()
+
+
+def kv_cache_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(attention layers, KV heads, head dim) of a model's paged K/V."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    return len(layers), layers[0].num_kv_heads, layers[0].head_dim
+
+
+def attach_kv_cache(model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
+    for i, layer in enumerate(m for m in model.modules() if isinstance(m, Attention)):
+        layer.kv = kv_cache.layer(i)
 
 
 def _release_free_memory() -> None:
