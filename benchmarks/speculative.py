@@ -1,4 +1,4 @@
-"""N-gram speculative decoding on and off, same workloads, one command.
+"""Speculative decoding (n-gram, and a draft model) on and off, same workloads, one command.
 
     python benchmarks/speculative.py [--model M] [--output-json docs/perf/speculative.json]
 
@@ -8,7 +8,10 @@
 - `grounded` at larger batches (max_num_seqs B), speculating whatever the batch
   size: where it stops paying, which is what `disable_by_batch_size` encodes;
 - `mixed` with 64 in flight, speculation on vs off (it switches itself off at
-  `disable_by_batch_size` running requests; this shows what that leaves).
+  `disable_by_batch_size` running requests; this shows what that leaves);
+- with `--draft` (GGUF models): the bf16 expansion with the file's own blocks as
+  its draft model (`{"method": "draft"}`), grounded and `chat` prompts at batch 1,
+  and `mixed` at 64 in flight with it on (the draft's KV pool halves the blocks).
 
 Each run is its own process (pagoda.bench.throughput.run_pagoda). Figures are
 ratios within this one command; name the CPU with them.
@@ -31,6 +34,8 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--grounded-prompts", type=int, default=16)
     parser.add_argument("--batch-sizes", default="2,4,8", help="grounded, speculating always")
+    parser.add_argument("--draft", action="store_true", help="also a draft model (GGUF)")
+    parser.add_argument("--skip-ngram", action="store_true", help="only the draft-model runs")
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args()
     path, is_gguf = resolve_model(ns.model)
@@ -55,6 +60,27 @@ def main() -> None:
 
     formats = [("file", {})] + ([("bf16", {"quantization": "none"})] if is_gguf else [])
     summary = {}
+    if ns.draft and is_gguf:
+        draft = {"method": "draft", "num_speculative_tokens": ns.num_speculative_tokens}
+        bf16 = {"quantization": "none", "max_num_seqs": 1}
+        chat = make_workload("chat", tokenizer, num_prompts=ns.grounded_prompts)
+        for workload, reqs in (("grounded", grounded), ("chat", chat)):
+            off = run(workload, reqs, "bf16 B=1", **bf16)
+            on = run(workload, reqs, "bf16 B=1 draft (file)", speculative_config=draft, **bf16)
+            summary[f"{workload}_b1_bf16_draft_speedup"] = (
+                on["output_throughput"] / off["output_throughput"]
+            )
+            summary[f"{workload}_b1_bf16_draft_identical"] = (
+                on["outputs_digest"] == off["outputs_digest"]
+            )
+        off = run("mixed", mixed, "64 in flight bf16", quantization="none")
+        on = run(
+            "mixed", mixed, "64 in flight bf16 draft", quantization="none", speculative_config=draft
+        )
+        summary["mixed_bf16_draft_ratio"] = on["output_throughput"] / off["output_throughput"]
+        summary["mixed_bf16_draft_identical"] = on["outputs_digest"] == off["outputs_digest"]
+    if ns.skip_ngram:
+        formats, ns.batch_sizes = [], ""
     for name, extra in formats:
         off = run("grounded", grounded, f"{name} B=1", max_num_seqs=1, **extra)
         on = run(
@@ -77,10 +103,11 @@ def main() -> None:
         summary[f"grounded_b{batch}_file_speedup"] = (
             on["output_throughput"] / off["output_throughput"]
         )
-    off = run("mixed", mixed, "64 in flight")
-    on = run("mixed", mixed, "64 in flight ngram", speculative_config=spec)
-    summary["mixed_ratio"] = on["output_throughput"] / off["output_throughput"]
-    summary["mixed_identical"] = on["outputs_digest"] == off["outputs_digest"]
+    if not ns.skip_ngram:
+        off = run("mixed", mixed, "64 in flight")
+        on = run("mixed", mixed, "64 in flight ngram", speculative_config=spec)
+        summary["mixed_ratio"] = on["output_throughput"] / off["output_throughput"]
+        summary["mixed_identical"] = on["outputs_digest"] == off["outputs_digest"]
     for key, value in summary.items():
         print(f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}")
     if ns.output_json:

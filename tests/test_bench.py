@@ -16,6 +16,7 @@ from pagoda.bench import serve as serve_bench
 from pagoda.bench.metrics import RequestTimeline, compute_metrics, summarize
 from pagoda.bench.serve import stream_request
 from pagoda.bench.workloads import (
+    CHAT_TOPICS,
     BenchRequest,
     assign_poisson_arrivals,
     load_dataset,
@@ -161,6 +162,17 @@ def test_workload_shapes(tokenizer, name, count, prompt_range, output_range):
         assert len({r.output_len for r in reqs}) > 20
     if name != "online":
         assert all(r.arrival_time == 0.0 for r in reqs)
+
+
+def test_chat_workload(tokenizer):
+    """Open questions, one user turn each (plain text: the test tokenizer has no chat
+    template), 128 tokens out, several distinct asks."""
+    reqs = make_workload("chat", tokenizer)
+    assert len(reqs) == 16 and all(r.output_len == 128 for r in reqs)
+    assert len({r.prompt for r in reqs}) > 8
+    for r in reqs:
+        assert r.prompt_token_ids == tokenizer.encode(r.prompt, add_special_tokens=False)
+        assert any(t in r.prompt for t in CHAT_TOPICS)
 
 
 def test_workload_long_fits_the_model(tokenizer):

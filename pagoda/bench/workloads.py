@@ -10,7 +10,7 @@ import json
 import random
 from dataclasses import dataclass
 
-WORKLOADS = ("mixed", "uniform", "shared-prefix", "long", "online", "grounded")
+WORKLOADS = ("mixed", "uniform", "shared-prefix", "long", "online", "grounded", "chat")
 
 # `grounded`: asks whose answer repeats text from the prompt, as summarizing, editing
 # and extraction do (where n-gram speculation pays). Passages from the shipped prose.
@@ -19,6 +19,25 @@ GROUNDED_ASKS = (
     "Fix any spelling mistakes in the following passage and return the whole passage.",
     "Quote the following passage in full, then say in one sentence what it is about.",
     "Rewrite the following passage with one sentence per line, changing no words.",
+)
+
+# `chat`: open questions whose answers repeat nothing of the prompt (where only a
+# draft model can guess ahead); 128 tokens each.
+CHAT_ASKS = (
+    "Explain to a beginner how {}.",
+    "Write a short story in which {}.",
+    "Give three reasons why {}, with an example for each.",
+    "Describe step by step how {}.",
+)
+CHAT_TOPICS = (
+    "a bicycle stays upright",
+    "bread rises in the oven",
+    "a city plans its water supply",
+    "bees find their way home",
+    "a compiler turns code into a program",
+    "the seasons change",
+    "a small shop keeps its accounts",
+    "a river shapes its valley",
 )
 
 
@@ -65,6 +84,9 @@ def make_workload(
         ]
     elif name == "grounded":
         reqs = _grounded(tokenizer, rng, num_prompts or 16)
+    elif name == "chat":
+        asks = [a.format(t) for t in CHAT_TOPICS for a in CHAT_ASKS]
+        reqs = [_chat_request(tokenizer, rng.choice(asks), 128) for _ in range(num_prompts or 16)]
     else:  # long
         prompt_len = 4096 if max_model_len is None else min(4096, max_model_len - 64)
         reqs = [BenchRequest(tokens(prompt_len), 64) for _ in range(num_prompts or 8)]
@@ -84,15 +106,20 @@ def _grounded(tokenizer, rng: random.Random, n: int) -> list[BenchRequest]:
     for _ in range(n):
         passage = rng.choice(passages)
         content = f"{rng.choice(GROUNDED_ASKS)}\n\n{passage}"
-        if getattr(tokenizer, "chat_template", None):
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
-        else:
-            prompt = content + "\n\n"
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        reqs.append(BenchRequest(ids, len(tokenizer.encode(passage)) + 16, prompt=prompt))
+        reqs.append(_chat_request(tokenizer, content, len(tokenizer.encode(passage)) + 16))
     return reqs
+
+
+def _chat_request(tokenizer, content: str, output_len: int) -> BenchRequest:
+    """One user turn in the model's chat template (plain text without one)."""
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        prompt = content + "\n\n"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return BenchRequest(ids, output_len, prompt=prompt)
 
 
 def assign_poisson_arrivals(reqs: list[BenchRequest], rate: float, rng: random.Random) -> None:

@@ -588,6 +588,7 @@ class Scheduler:
         self, request: Request, num_new: int, drafts: list[int] = ()
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
+        draft_start = min(request.num_draft_computed, start)  # never past the target's
         params = request.sampling_params
         samples = start + num_new == request.num_tokens
         needs_history = params.needs_token_history
@@ -599,10 +600,10 @@ class Scheduler:
             token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
             num_computed_tokens=start,
             num_draft_tokens=len(drafts),
-            draft_input_ids=request.all_token_ids[request.num_draft_computed : start + num_new]
+            draft_input_ids=request.all_token_ids[draft_start : start + num_new]
             if drafts and self.config.speculative.method == "draft"
             else [],
-            draft_input_start=request.num_draft_computed,
+            draft_input_start=draft_start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sampling_params=params if samples else None,
             num_output_tokens=request.num_output_tokens,
