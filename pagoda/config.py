@@ -134,7 +134,7 @@ class SpeculativeConfig:
             )
         if config.method != "draft" and (config.model is not None or "quantization" in spec):
             raise ValueError('speculative_config.model and .quantization are for method "draft".')
-        if config.model is not None and not isinstance(config.model, str):
+        if config.model is not None and (not isinstance(config.model, str) or not config.model):
             raise ValueError(f"speculative_config.model must be a path, got {config.model!r}.")
         if config.quantization not in QUANTIZATIONS:
             raise ValueError(
@@ -381,10 +381,18 @@ class EngineArgs:
             dtype=target.dtype,
             quantization=spec.quantization,
             max_model_len=None,
+            keep_full_precision=(),  # the target's choice; the draft is to be cheap
             speculative_config=None,
             enable_lora=False,
         ).create_model_config()
         name = f"speculative_config.model ({draft.model})"
+        if draft.path == target.path and draft.quantization == target.quantization:
+            logger.warning(
+                "%s: the draft is the target itself, loaded the same way: every draft is "
+                "accepted, and each costs what a target step does. Set "
+                "speculative_config.quantization, or name a smaller model.",
+                name,
+            )
         if "vision_config" in draft.hf_config:
             raise ValueError(f"{name} is a vision-language model; a draft must be text-only.")
         if draft.hf_config["vocab_size"] != target.hf_config["vocab_size"]:

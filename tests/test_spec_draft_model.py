@@ -160,3 +160,24 @@ def test_smollm2_q4_drafts_for_its_bf16_expansion(gguf_path):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     stats = llm.llm_engine.get_stats().spec_decoding
     assert stats.acceptance_rate > 0.6 and stats.mean_accepted_length > 2
+
+
+def test_long_catch_ups_run_in_chunks(tiny_llama, monkeypatch):
+    """A sequence new to the draft is computed a chunk per forward: the drafts, and so
+    what verification accepts, are those of one forward over it."""
+    plain = engine(tiny_llama)
+    prompts = tiny_prompts(plain.get_tokenizer(), 4, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = completions(plain, prompts, params)
+    runs = {}
+    for chunk in (2048, 16):
+        monkeypatch.setattr("pagoda.worker.draft_model.DRAFT_CHUNK_TOKENS", chunk)
+        llm = engine(tiny_llama, DRAFT)
+        forwards = runs[chunk] = []
+        llm.llm_engine.model_runner.drafter.model.register_forward_hook(
+            lambda _m, args, _out, forwards=forwards: forwards.append(len(args[0]))
+        )
+        assert completions(llm, prompts, params) == want
+        forwards.append(llm.llm_engine.get_stats().spec_decoding)
+    assert runs[16][-1] == runs[2048][-1]  # the same drafts, the same acceptances
+    assert max(runs[2048][:-1]) > 4 * 16 >= max(runs[16][:-1])  # 4 requests' chunks at most

@@ -36,6 +36,10 @@ from pagoda.worker.model_runner import (
 
 logger = logging.getLogger(__name__)
 
+# The most tokens of one request the draft computes in one forward while catching up
+# (the engine's default max_num_batched_tokens).
+DRAFT_CHUNK_TOKENS = 2048
+
 
 class DraftModel:
     def __init__(self, model_config: ModelConfig, ops: Ops, block_size: int) -> None:
@@ -70,8 +74,9 @@ class DraftModel:
         if not drafting:
             return reqs
         # First the known tokens it has not computed (one, or two after a full
-        # acceptance; the whole sequence when new), then one token at a time: draft j
-        # goes in at the position after the last known token + j - 1.
+        # acceptance; the whole sequence when new, in chunks), then one token at a
+        # time: draft j goes in at the position after the last known token + j - 1.
+        drafting = self._catch_up(drafting)
         first = [
             replace(
                 r,
@@ -104,6 +109,36 @@ class DraftModel:
             for r, d in zip(drafting, drafts, strict=True)
         }
         return [by_id.get(r.request_id, r) for r in reqs]
+
+    def _catch_up(self, drafting: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Run the catch-ups longer than a chunk up to their last chunk, a chunk per
+        forward as the target's prefills go, so a long sequence new to the draft (or
+        one it fell behind on while speculation was off) never runs in one forward;
+        returns the requests with what is left to catch up."""
+        while any(len(r.draft_input_ids) > DRAFT_CHUNK_TOKENS for r in drafting):
+            long = [r for r in drafting if len(r.draft_input_ids) > DRAFT_CHUNK_TOKENS]
+            views = [
+                replace(
+                    r,
+                    token_ids=r.draft_input_ids[:DRAFT_CHUNK_TOKENS],
+                    num_computed_tokens=r.draft_input_start,
+                    num_draft_tokens=0,
+                )
+                for r in long
+            ]
+            input_ids, positions, meta, _ = prepare_inputs(views, self.block_size)
+            with forward_context(meta, None):
+                self.model(input_ids, positions)
+            advanced = {
+                r.request_id: replace(
+                    r,
+                    draft_input_ids=r.draft_input_ids[DRAFT_CHUNK_TOKENS:],
+                    draft_input_start=r.draft_input_start + DRAFT_CHUNK_TOKENS,
+                )
+                for r in long
+            }
+            drafting = [advanced.get(r.request_id, r) for r in drafting]
+        return drafting
 
     def _greedy_step(self, views: list[ScheduledRequest]) -> list[int]:
         """One draft forward over `views` (each a run of tokens at its positions):
