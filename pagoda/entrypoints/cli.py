@@ -158,6 +158,32 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
 
 
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend", nargs="+", required=True, metavar="URL", help="the replicas' base URLs"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--policy", choices=("prefix", "round-robin", "least-loaded"), default="prefix"
+    )  # router.POLICIES (not imported here: the CLI starts without the server's packages)
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the served model (its tokenizer and chat template, for prefix hashing; "
+        "default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="the engines' block size")
+    parser.add_argument(
+        "--balance-threshold",
+        type=int,
+        default=16,
+        help="in-flight difference past which the least loaded replica wins (prefix policy)",
+    )
+    parser.add_argument("--prefix-table-size", type=int, default=1 << 20, help="blocks kept")
+    parser.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.api_server import run_server
 
@@ -165,6 +191,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"two models named: {ns.model_tag!r} and --model {ns.model!r}.")
     ns.model = ns.model_tag or ns.model
     return run_server(ns, engine_args_from(ns))
+
+
+def cmd_router(ns: argparse.Namespace) -> int:
+    from pagoda.entrypoints.router import run_router
+
+    return run_router(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    router = sub.add_parser(
+        "router", help="one OpenAI endpoint routing by prompt prefix over several replicas"
+    )
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
     from pagoda.bench.cli import register as register_bench
     from pagoda.eval.cli import register as register_eval
 

@@ -1,0 +1,357 @@
+"""`pagoda router`: one OpenAI endpoint in front of several engine replicas, sending
+each request where its prompt's prefix is most likely already in the KV cache.
+
+The router tokenizes the prompt (the model's tokenizer and chat template, as the
+engines do) and hashes it into the chained block hashes the engines' prefix caches
+use (`kv_cache_manager.hash_block`, same block size). It remembers which replicas
+it sent each block to (approximate mode: its own routing history, an LRU of
+`--prefix-table-size` blocks; it does not see the engines evict), and scores each
+healthy replica by how many leading blocks of the prompt it holds:
+
+- `prefix` (default): the replica holding the longest prefix; the least loaded one
+  when none holds any, or when in-flight counts differ by more than
+  `--balance-threshold` (load first, then cache);
+- `round-robin`, `least-loaded` (fewest requests in flight): for comparison.
+
+Requests and responses pass through unchanged (streams chunk by chunk, errors with
+their status and body). A replica that cannot be reached before the response starts
+is marked down and the request goes to another; health checks (`GET /health`) take
+replicas out and put them back. `/v1/models` is the union of the replicas'; `/metrics`
+is the router's own (per-replica routing counts, prefix blocks matched, retries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import httpx
+import prometheus_client as prom
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda.core.kv_cache_manager import hash_block
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("prefix", "round-robin", "least-loaded")
+# Headers that belong to one hop, not to the request or response being relayed.
+_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    index: int
+    healthy: bool = True
+    in_flight: int = 0
+
+
+class PrefixTable:
+    """Block hash -> the replicas it was routed to, least recently routed first out."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.owners: OrderedDict[bytes, set[int]] = OrderedDict()
+
+    def matched_blocks(self, hashes: list[bytes], replica: int) -> int:
+        """Leading blocks of `hashes` that were routed to `replica`."""
+        n = 0
+        for h in hashes:
+            owners = self.owners.get(h)
+            if owners is None or replica not in owners:
+                break
+            n += 1
+        return n
+
+    def record(self, hashes: list[bytes], replica: int) -> None:
+        for h in hashes:
+            owners = self.owners.pop(h, None) or set()
+            owners.add(replica)
+            self.owners[h] = owners
+        while len(self.owners) > self.capacity:
+            self.owners.popitem(last=False)
+
+    def forget(self, replica: int) -> None:
+        """A replica that went down comes back with an empty cache."""
+        for owners in self.owners.values():
+            owners.discard(replica)
+
+
+class Router:
+    def __init__(
+        self,
+        backends: list[str],
+        policy: str = "prefix",
+        block_size: int = 16,
+        balance_threshold: int = 16,
+        prefix_table_size: int = 1 << 20,
+        tokenizer=None,
+    ) -> None:
+        if not backends:
+            raise ValueError("router: at least one --backend is needed.")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
+        if block_size < 1 or balance_threshold < 0 or prefix_table_size < 1:
+            raise ValueError(
+                "block_size and prefix_table_size must be >= 1, balance_threshold >= 0."
+            )
+        self.replicas = [Replica(url.rstrip("/"), i) for i, url in enumerate(backends)]
+        self.policy = policy
+        self.block_size = block_size
+        self.balance_threshold = balance_threshold
+        self.table = PrefixTable(prefix_table_size)
+        self.tokenizer = tokenizer
+        self._round_robin = itertools.count()
+        self.registry = prom.CollectorRegistry()
+        labels = ["replica"]
+        self.requests_total = prom.Counter(
+            "pagoda_router:requests", "Requests routed", labels, registry=self.registry
+        )
+        self.prompt_blocks = prom.Counter(
+            "pagoda_router:prompt_blocks", "Full prompt blocks routed", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.matched_blocks = prom.Counter(
+            "pagoda_router:matched_blocks",
+            "Prompt blocks routed to a replica already sent them (prefix hits, as the "
+            "router sees them)",
+            labels,
+            registry=self.registry,
+        )
+        self.retries = prom.Counter(
+            "pagoda_router:retries", "Requests sent again after a replica could not be reached",
+            registry=self.registry,
+        )  # fmt: skip
+        self.healthy_gauge = prom.Gauge(
+            "pagoda_router:replica_healthy", "1 while the replica takes requests", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.in_flight_gauge = prom.Gauge(
+            "pagoda_router:replica_in_flight", "Requests in flight", labels, registry=self.registry
+        )
+        for r in self.replicas:
+            self.healthy_gauge.labels(r.url).set(1)
+            self.in_flight_gauge.labels(r.url).set_function(lambda r=r: r.in_flight)
+
+    # ---- routing ---------------------------------------------------------------------
+
+    def block_hashes(self, body: dict) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks ([] when it has no tokens the
+        router can see: no tokenizer, or a prompt it cannot render)."""
+        tokens = self._prompt_tokens(body)
+        hashes, parent = [], None
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            parent = hash_block(parent, tokens[start : start + self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def _prompt_tokens(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch goes where its first prompt's prefix is
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if self.tokenizer is None:
+            return []
+        try:
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            messages = body.get("messages")
+            if isinstance(messages, list):
+                return list(
+                    self.tokenizer.apply_chat_template(
+                        [_text_only(m) for m in messages], add_generation_prompt=True
+                    )
+                )
+        except Exception:  # a prompt the engine will refuse, or a template that fails
+            return []
+        return []
+
+    def choose(self, hashes: list[bytes], exclude: set[Replica] = frozenset()) -> Replica | None:
+        candidates = [r for r in self.replicas if r.healthy and r not in exclude]
+        if not candidates:
+            return None
+        turn = next(self._round_robin)
+        if self.policy == "round-robin":
+            return candidates[turn % len(candidates)]
+        # Ties in load go round, so new prefixes spread out even when all are idle.
+        n = len(self.replicas)
+        least = min(candidates, key=lambda r: (r.in_flight, (r.index - turn) % n))
+        if self.policy == "least-loaded" or not hashes:
+            return least
+        if max(r.in_flight for r in candidates) - least.in_flight > self.balance_threshold:
+            return least
+        matched = {r: self.table.matched_blocks(hashes, r.index) for r in candidates}
+        best = max(candidates, key=lambda r: (matched[r], -r.in_flight, -r.index))
+        return best if matched[best] > 0 else least
+
+    def record(self, hashes: list[bytes], replica: Replica) -> None:
+        self.requests_total.labels(replica.url).inc()
+        if hashes:
+            self.prompt_blocks.labels(replica.url).inc(len(hashes))
+            self.matched_blocks.labels(replica.url).inc(
+                self.table.matched_blocks(hashes, replica.index)
+            )
+            self.table.record(hashes, replica.index)
+
+    def set_health(self, replica: Replica, healthy: bool) -> None:
+        if replica.healthy and not healthy:
+            logger.warning("router: replica %s is down", replica.url)
+            self.table.forget(replica.index)
+        elif healthy and not replica.healthy:
+            logger.info("router: replica %s is back", replica.url)
+        replica.healthy = healthy
+        self.healthy_gauge.labels(replica.url).set(int(healthy))
+
+
+def _text_only(message: dict) -> dict:
+    """A chat message with its content parts' text joined (what prefix hashing needs)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        text = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return {**message, "content": text}
+    return message
+
+
+def _error(status: int, message: str, type_: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+
+    async def check_health() -> None:
+        while True:
+            for replica in router.replicas:
+                try:
+                    r = await client.get(replica.url + "/health", timeout=2.0)
+                    router.set_health(replica, r.status_code == 200)
+                except httpx.HTTPError:
+                    router.set_health(replica, False)
+            await asyncio.sleep(health_check_interval)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(check_health())
+        yield
+        task.cancel()
+        await client.aclose()
+
+    app = FastAPI(title="pagoda router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health():
+        if any(r.healthy for r in router.replicas):
+            return Response(status_code=200)
+        return _error(503, "no replica is up", "ServiceUnavailableError")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(prom.generate_latest(router.registry), media_type=prom.CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        cards: dict[str, dict] = {}
+        for replica in router.replicas:
+            if not replica.healthy:
+                continue
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+                r = await client.get(replica.url + "/v1/models", timeout=5.0)
+                for card in r.json()["data"]:
+                    cards.setdefault(card["id"], card)
+        return {"object": "list", "data": list(cards.values())}
+
+    async def relay(path: str, raw: Request):
+        content = await raw.body()
+        try:
+            body = json.loads(content)
+        except ValueError:
+            body = None
+        hashes = (
+            await asyncio.to_thread(router.block_hashes, body) if isinstance(body, dict) else []
+        )
+        headers = {k: v for k, v in raw.headers.items() if k.lower() not in _HOP_HEADERS}
+        tried: set[Replica] = set()
+        while True:
+            replica = router.choose(hashes, tried)
+            if replica is None:
+                return _error(503, "no replica could take the request", "ServiceUnavailableError")
+            tried.add(replica)
+            replica.in_flight += 1
+            try:
+                request = client.build_request(
+                    "POST", replica.url + path, content=content, headers=headers
+                )
+                response = await client.send(request, stream=True)
+            except httpx.TransportError as e:  # nothing was sent back: try another
+                replica.in_flight -= 1
+                logger.warning("router: %s unreachable (%r); trying another", replica.url, e)
+                router.set_health(replica, False)
+                router.retries.inc()
+                continue
+            router.record(hashes, replica)
+            return StreamingResponse(
+                _relayed(response, replica),
+                status_code=response.status_code,
+                headers={
+                    k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS
+                },
+            )
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await relay("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await relay("/v1/chat/completions", raw)
+
+    return app
+
+
+async def _relayed(response: httpx.Response, replica: Replica):
+    """The replica's response body as it arrives; closing it (the client left, or the
+    body ended) closes the replica's connection, which aborts the request there."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        replica.in_flight -= 1
+        await response.aclose()
+
+
+def run_router(ns: argparse.Namespace) -> int:
+    from pagoda.model_executor.model_loader import load_tokenizer, resolve_model
+
+    path, is_gguf = resolve_model(ns.model)
+    router = Router(
+        ns.backend,
+        ns.policy,
+        ns.block_size,
+        ns.balance_threshold,
+        ns.prefix_table_size,
+        tokenizer=load_tokenizer(path, is_gguf),
+    )
+    if not ns.health_check_interval > 0:
+        raise ValueError(f"health_check_interval must be > 0, got {ns.health_check_interval}.")
+    logger.info(
+        "pagoda router: %d replicas (%s), policy %s, on http://%s:%d",
+        len(router.replicas),
+        ", ".join(r.url for r in router.replicas),
+        ns.policy,
+        ns.host,
+        ns.port,
+    )
+    app = build_app(router, ns.health_check_interval)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_config=None, access_log=False)
+    return 0

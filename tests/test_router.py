@@ -1,0 +1,213 @@
+"""`pagoda router`: routing by prompt prefix over replicas, and what it relays.
+
+The policy tests drive `Router` alone; the rest run two real `pagoda serve`
+replicas and a real `pagoda router` on 127.0.0.1, driven by the official client.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagoda.entrypoints.router import PrefixTable, Router
+from tests.test_server_utils import ROOT, RemoteServer, free_port
+
+# ---- the policy alone --------------------------------------------------------------------
+
+
+def family_prompts(num_families: int, per_family: int, prefix_len: int = 64) -> list[list[int]]:
+    """Prompts in families: each family shares a prefix, each prompt ends its own way."""
+    prompts = []
+    for f in range(per_family * num_families):
+        family = f % num_families
+        prefix = [(family * 37 + i * 11) % 300 + 3 for i in range(prefix_len)]
+        prompts.append(prefix + [(f * 13 + i) % 300 + 3 for i in range(8)])
+    return prompts
+
+
+def route(router: Router, prompts: list[list[int]]) -> list[int]:
+    chosen = []
+    for p in prompts:
+        hashes = router.block_hashes({"prompt": p})
+        replica = router.choose(hashes)
+        router.record(hashes, replica)
+        chosen.append(replica.index)
+    return chosen
+
+
+def test_prefix_policy_keeps_each_family_on_one_replica():
+    prompts = family_prompts(4, 6)
+    router = Router(["http://a", "http://b"], "prefix")
+    chosen = route(router, prompts)
+    by_family = {f: {chosen[i] for i in range(f, len(prompts), 4)} for f in range(4)}
+    assert all(len(replicas) == 1 for replicas in by_family.values())
+    assert sorted(chosen[:4]) == [0, 0, 1, 1]  # new families spread out
+    rr = route(Router(["http://a", "http://b"], "round-robin"), prompts)
+    assert rr == [0, 1] * 12
+
+
+def test_loads_first_then_cache():
+    router = Router(["http://a", "http://b"], "prefix", balance_threshold=2)
+    hashes = router.block_hashes({"prompt": list(range(3, 67))})
+    assert len(hashes) == 4
+    router.record(hashes, router.replicas[0])
+    assert router.choose(hashes).index == 0
+    router.replicas[0].in_flight = 3  # within 2 of the other? no: 3 > 0 + 2
+    assert router.choose(hashes).index == 1
+    router.replicas[0].in_flight = 2
+    assert router.choose(hashes).index == 0
+    router.set_health(router.replicas[0], False)  # down: its blocks are forgotten
+    assert router.choose(hashes).index == 1
+    router.set_health(router.replicas[0], True)
+    router.replicas[0].in_flight = 0
+    assert router.table.matched_blocks(hashes, 0) == 0
+    assert Router(["http://a"], "least-loaded").choose(hashes).index == 0
+    with pytest.raises(ValueError, match="policy"):
+        Router(["http://a"], "random")
+
+
+def test_prefix_table_is_bounded_and_chained():
+    table = PrefixTable(capacity=3)
+    table.record([b"a", b"b", b"c", b"d"], 0)
+    assert b"a" not in table.owners and table.matched_blocks([b"b", b"c"], 0) == 2
+    assert table.matched_blocks([b"x", b"b"], 0) == 0  # a prefix, not any block
+
+
+# ---- real replicas ---------------------------------------------------------------------
+
+
+class RemoteRouter:
+    def __init__(self, backends: list[str], model: str, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--port", str(self.port)]
+        cmd += ["--model", model, "--backend", *backends, *args]
+        fd, self.log_path = tempfile.mkstemp(prefix="pagoda-router-", suffix=".log")
+        self.log = os.fdopen(fd, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"router not ready:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama):
+    servers = [RemoteServer(tiny_llama), RemoteServer(tiny_llama)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def hits(servers) -> float:
+    return sum(s.metrics()[("pagoda:prefix_cache_hits_total", ())] for s in servers)
+
+
+def test_prefix_routing_beats_round_robin_on_cache_hits(replicas, tiny_llama):
+    """The shared-prefix workload, 4 families of 6: by prefix, only each family's first
+    request misses its prefix; round-robin sends each family to both replicas."""
+    prompts = family_prompts(4, 6)
+    random.Random(0).shuffle(prompts)  # families arrive interleaved, in no fixed turn
+    got = {}
+    for policy, offset in (("prefix", 0), ("round-robin", 1)):
+        # Distinct tokens per policy: the replicas' caches keep the first run's blocks.
+        run = [[(t + offset * 101) % 300 + 3 for t in p] for p in prompts]
+        router = RemoteRouter([s.url for s in replicas], tiny_llama, "--policy", policy)
+        try:
+            before = hits(replicas)
+            client = router.client()
+            for p in run:
+                client.completions.create(model=tiny_llama, prompt=p, max_tokens=2)
+            got[policy] = hits(replicas) - before
+            m = router.metrics()
+        finally:
+            router.stop()
+        counts = [m[("pagoda_router:requests_total", (("replica", s.url),))] for s in replicas]
+        assert counts[0] > 0 and counts[1] > 0 and sum(counts) == len(run)
+    assert got["prefix"] >= 20 * 64  # 20 of 24 requests found their 64-token prefix
+    assert got["round-robin"] < got["prefix"]
+
+
+def test_relays_streams_errors_and_models(replicas, tiny_llama):
+    router = RemoteRouter([s.url for s in replicas], tiny_llama)
+    try:
+        client = router.client()
+        direct = replicas[0].client()
+        prompt = list(range(5, 40))
+        kwargs = dict(model=tiny_llama, prompt=prompt, max_tokens=12, temperature=0)
+        want = direct.completions.create(**kwargs).choices[0].text
+        assert client.completions.create(**kwargs).choices[0].text == want
+        stream = client.completions.create(stream=True, **kwargs)
+        assert "".join(c.choices[0].text for c in stream) == want
+        chat = client.chat.completions.create(
+            model=tiny_llama, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert chat.choices[0].message.content is not None
+        with pytest.raises(openai.BadRequestError) as routed:
+            client.completions.create(model=tiny_llama, prompt="x", max_tokens=-1)
+        with pytest.raises(openai.BadRequestError) as plain:
+            direct.completions.create(model=tiny_llama, prompt="x", max_tokens=-1)
+        assert routed.value.body == plain.value.body  # the replica's error, unchanged
+        assert [m.id for m in client.models.list().data] == [tiny_llama]
+    finally:
+        router.stop()
+
+
+def test_a_dead_replica_loses_no_request_that_had_not_started(tiny_llama):
+    servers = [RemoteServer(tiny_llama), RemoteServer(tiny_llama)]
+    # Health checks far apart: the router learns of the death from the request itself.
+    router = RemoteRouter(
+        [s.url for s in servers], tiny_llama, "--policy", "round-robin",
+        "--health-check-interval", "60",
+    )  # fmt: skip
+    try:
+        client = router.client()
+        servers[1].proc.kill()
+        servers[1].proc.wait()
+        for i in range(6):
+            r = client.completions.create(model=tiny_llama, prompt=f"request {i}", max_tokens=3)
+            assert r.choices[0].text is not None
+        m = router.metrics()
+        assert m[("pagoda_router:retries_total", ())] >= 1
+        assert m[("pagoda_router:replica_healthy", (("replica", servers[1].url),))] == 0
+        assert m[("pagoda_router:requests_total", (("replica", servers[0].url),))] == 6
+    finally:
+        router.stop()
+        for s in servers:
+            s.stop()
