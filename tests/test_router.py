@@ -211,3 +211,33 @@ def test_a_dead_replica_loses_no_request_that_had_not_started(tiny_llama):
         router.stop()
         for s in servers:
             s.stop()
+
+
+def test_serve_data_parallel(tiny_llama):
+    """`pagoda serve --data-parallel-size 2`: two replicas (a core each) behind the
+    prefix router on the one port; SIGTERM stops them all."""
+    server = RemoteServer(tiny_llama, "--data-parallel-size", "2")
+    try:
+        client = server.client()
+        for i in range(4):
+            r = client.completions.create(model=tiny_llama, prompt=f"say {i}", max_tokens=3)
+            assert r.choices[0].text is not None
+        text = httpx.get(server.url + "/metrics").text
+        urls = [
+            line.split('replica="')[1].split('"')[0]
+            for line in text.splitlines()
+            if line.startswith("pagoda_router:requests_total{")
+        ]
+        assert len(urls) == 2 and all(_reachable(u) for u in urls)
+        assert server.terminate() == 0
+        assert not any(_reachable(u) for u in urls)  # no replica outlives the server
+    finally:
+        server.stop()
+
+
+def _reachable(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False

@@ -156,6 +156,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds between the /dashboard's samples of the engine (default: 0.5)",
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="replicas of the engine, each on its share of the cores, behind a prefix "
+        "router on --host/--port (vLLM's name; see pagoda router)",
+    )
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +197,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"two models named: {ns.model_tag!r} and --model {ns.model!r}.")
     ns.model = ns.model_tag or ns.model
-    return run_server(ns, engine_args_from(ns))
+    engine_args = engine_args_from(ns)  # checked here, before any replica starts
+    if ns.data_parallel_size != 1:
+        from pagoda.entrypoints.router import run_data_parallel
+
+        engine_args._verify()
+        return run_data_parallel(ns, ns.argv)
+    return run_server(ns, engine_args)
 
 
 def cmd_router(ns: argparse.Namespace) -> int:
@@ -262,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
+    ns.argv = list(argv if argv is not None else sys.argv[1:])  # for replicas of `serve`
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as e:

@@ -333,6 +333,8 @@ async def _relayed(response: httpx.Response, replica: Replica):
 def run_router(ns: argparse.Namespace) -> int:
     from pagoda.model_executor.model_loader import load_tokenizer, resolve_model
 
+    if not ns.health_check_interval > 0:
+        raise ValueError(f"health_check_interval must be > 0, got {ns.health_check_interval}.")
     path, is_gguf = resolve_model(ns.model)
     router = Router(
         ns.backend,
@@ -342,8 +344,6 @@ def run_router(ns: argparse.Namespace) -> int:
         ns.prefix_table_size,
         tokenizer=load_tokenizer(path, is_gguf),
     )
-    if not ns.health_check_interval > 0:
-        raise ValueError(f"health_check_interval must be > 0, got {ns.health_check_interval}.")
     logger.info(
         "pagoda router: %d replicas (%s), policy %s, on http://%s:%d",
         len(router.replicas),
@@ -352,6 +352,108 @@ def run_router(ns: argparse.Namespace) -> int:
         ns.host,
         ns.port,
     )
+    from pagoda.entrypoints.openai.api_server import Server  # exits 0 on SIGTERM
+
     app = build_app(router, ns.health_check_interval)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_config=None, access_log=False)
-    return 0
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_config=None, access_log=False)
+    server = Server(config, shutdown_timeout=0)
+    server.run()
+    return server.exit_code
+
+
+# ---- pagoda serve --data-parallel-size N ---------------------------------------------
+
+_REPLICA_STARTUP_S = 600  # a large model's load
+
+
+def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
+    """`pagoda serve --data-parallel-size N ...`: N replicas, each a `pagoda serve` with
+    the same arguments on its own share of the cores (pinned, and that many threads)
+    and a free port of 127.0.0.1, behind a prefix router on --host/--port. Replicas
+    get SIGTERM when this process ends, however it ends (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    n = ns.data_parallel_size
+    cores = sorted(os.sched_getaffinity(0))
+    if not 1 <= n <= len(cores):
+        raise ValueError(f"data_parallel_size must be 1..{len(cores)} (the cores), got {n}.")
+    child_args = _without_options(argv, ("--data-parallel-size", "--port", "--host"))
+    replicas: list[tuple[subprocess.Popen, str]] = []
+    try:
+        for i in range(n):
+            share = cores[i * len(cores) // n : (i + 1) * len(cores) // n]
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *child_args]
+            cmd += ["--host", "127.0.0.1", "--port", str(port)]
+            if ns.num_threads is None:
+                cmd += ["--num-threads", str(len(share))]
+            proc = subprocess.Popen(cmd, preexec_fn=lambda share=share: _pin_child(share))
+            replicas.append((proc, f"http://127.0.0.1:{port}"))
+            logger.info("replica %d: pid %d on cores %s, %s", i, proc.pid, share, replicas[-1][1])
+        deadline = time.monotonic() + _REPLICA_STARTUP_S
+        for proc, url in replicas:
+            while not _healthy(url):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"replica {url} exited with {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replica {url} not ready in {_REPLICA_STARTUP_S} s")
+                time.sleep(0.5)
+        router_ns = argparse.Namespace(
+            backend=[url for _, url in replicas],
+            host=ns.host,
+            port=ns.port,
+            policy="prefix",
+            model=ns.model,
+            block_size=ns.block_size,
+            balance_threshold=16,
+            prefix_table_size=1 << 20,
+            health_check_interval=2.0,
+        )
+        return run_router(router_ns)
+    finally:
+        for proc, _ in replicas:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in replicas:
+            try:
+                proc.wait(ns.shutdown_timeout + 15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _pin_child(cores: list[int]) -> None:
+    import ctypes
+    import os
+    import signal
+
+    os.sched_setaffinity(0, cores)
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """argv without the options `names` (as `--name value` or `--name=value`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(name + "=") for name in names):
+            out.append(arg)
+    return out

@@ -395,7 +395,7 @@ def build_app(
     return app
 
 
-class _Server(uvicorn.Server):
+class Server(uvicorn.Server):
     """uvicorn's server, with pagoda's stops:
 
     - the first SIGTERM/SIGINT refuses new requests and aborts what is still running
@@ -456,7 +456,7 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
     lora_modules = [LoRAModulePath.parse(text) for text in ns.lora_modules or ()]
     if lora_modules and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora.")
-    server = _Server(
+    server = Server(
         uvicorn.Config(
             None,
             host=ns.host,
