@@ -61,9 +61,11 @@ def make_workload(
     num_prompts: int | None = None,
     request_rate: float = float("inf"),
     max_model_len: int | None = None,
+    num_prefixes: int = 1,
 ) -> list[BenchRequest]:
     """The named workload. `num_prompts` overrides the default count; `online`
-    arrivals are Poisson at `request_rate` requests/s."""
+    arrivals are Poisson at `request_rate` requests/s; `shared-prefix` draws each
+    prompt's prefix from `num_prefixes` (families, for routing by prefix)."""
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}.")
     rng = random.Random(seed)
@@ -78,9 +80,14 @@ def make_workload(
     elif name == "uniform":
         reqs = [BenchRequest(tokens(128), 128) for _ in range(num_prompts or 256)]
     elif name == "shared-prefix":
-        prefix = tokens(448)
+        prefixes = [tokens(448) for _ in range(num_prefixes)]
+
+        def prefix() -> list[int]:  # one family: the draws of earlier sessions, unchanged
+            return rng.choice(prefixes) if num_prefixes > 1 else prefixes[0]
+
         reqs = [
-            BenchRequest(prefix + tokens(rng.randint(16, 64)), 64) for _ in range(num_prompts or 64)
+            BenchRequest(prefix() + tokens(rng.randint(16, 64)), 64)
+            for _ in range(num_prompts or 64)
         ]
     elif name == "grounded":
         reqs = _grounded(tokenizer, rng, num_prompts or 16)

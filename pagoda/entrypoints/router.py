@@ -113,8 +113,9 @@ class Router:
         self.registry = prom.CollectorRegistry()
         labels = ["replica"]
         self.requests_total = prom.Counter(
-            "pagoda_router:requests", "Requests routed", labels, registry=self.registry
-        )
+            "pagoda_router:requests", "Requests routed (a retry counts again)", labels,
+            registry=self.registry,
+        )  # fmt: skip
         self.prompt_blocks = prom.Counter(
             "pagoda_router:prompt_blocks", "Full prompt blocks routed", labels,
             registry=self.registry,
@@ -288,6 +289,9 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
                 return _error(503, "no replica could take the request", "ServiceUnavailableError")
             tried.add(replica)
             replica.in_flight += 1
+            # Recorded now, not once the replica answers: the same prefix arriving
+            # meanwhile must find where it went.
+            router.record(hashes, replica)
             try:
                 request = client.build_request(
                     "POST", replica.url + path, content=content, headers=headers
@@ -299,7 +303,6 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
                 router.set_health(replica, False)
                 router.retries.inc()
                 continue
-            router.record(hashes, replica)
             return StreamingResponse(
                 _relayed(response, replica),
                 status_code=response.status_code,
