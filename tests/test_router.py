@@ -6,6 +6,7 @@ replicas and a real `pagoda router` on 127.0.0.1, driven by the official client.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -89,7 +90,7 @@ class RemoteRouter:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--port", str(self.port)]
-        cmd += ["--model", model, "--backend", *backends, *args]
+        cmd += ["--model", model, *(["--backend", *backends] if backends else []), *args]
         fd, self.log_path = tempfile.mkstemp(prefix="pagoda-router-", suffix=".log")
         self.log = os.fdopen(fd, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -187,6 +188,29 @@ def test_relays_streams_errors_and_models(replicas, tiny_llama):
         assert [m.id for m in client.models.list().data] == [tiny_llama]
     finally:
         router.stop()
+
+
+def test_replicas_found_by_dns(replicas, tiny_llama):
+    """`--discover-dns HOST:PORT`, as a headless Kubernetes Service is used: the
+    replicas are the addresses the name resolves to."""
+    port = replicas[0].port
+    router = RemoteRouter([], tiny_llama, "--discover-dns", f"localhost:{port}")
+    try:
+        r = router.client().completions.create(model=tiny_llama, prompt="hi", max_tokens=2)
+        assert r.choices[0].text is not None
+        routed = router.metrics()[
+            ("pagoda_router:requests_total", (("replica", f"http://127.0.0.1:{port}"),))
+        ]
+        assert routed == 1
+    finally:
+        router.stop()
+    r = Router([], discover="localhost:1")
+    asyncio.run(r.discover_replicas())
+    assert "http://127.0.0.1:1" in [x.url for x in r.replicas]
+    r.set_replicas(["http://b"])
+    assert [x.url for x in r.replicas] == ["http://b"] and r.replicas[0].index > 0
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        Router([], discover="localhost")
 
 
 def test_a_dead_replica_loses_no_request_that_had_not_started(tiny_llama):

@@ -166,8 +166,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", nargs="+", metavar="URL", help="the replicas' base URLs")
     parser.add_argument(
-        "--backend", nargs="+", required=True, metavar="URL", help="the replicas' base URLs"
+        "--discover-dns",
+        default=None,
+        metavar="HOST:PORT",
+        help="replicas at every address HOST resolves to (a headless Kubernetes Service), "
+        "looked up again at each health check",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

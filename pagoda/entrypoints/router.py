@@ -94,16 +94,21 @@ class Router:
         balance_threshold: int = 16,
         prefix_table_size: int = 1 << 20,
         tokenizer=None,
+        discover: str | None = None,
     ) -> None:
-        if not backends:
-            raise ValueError("router: at least one --backend is needed.")
+        if not backends and discover is None:
+            raise ValueError("router: name replicas with --backend or --discover-dns.")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
         if block_size < 1 or balance_threshold < 0 or prefix_table_size < 1:
             raise ValueError(
                 "block_size and prefix_table_size must be >= 1, balance_threshold >= 0."
             )
-        self.replicas = [Replica(url.rstrip("/"), i) for i, url in enumerate(backends)]
+        self.replicas: list[Replica] = []
+        self._next_index = 0
+        # "HOST:PORT": the replicas are the addresses HOST resolves to (a headless
+        # Kubernetes Service), looked up again before every health check.
+        self.discover = _host_port(discover) if discover is not None else None
         self.policy = policy
         self.block_size = block_size
         self.balance_threshold = balance_threshold
@@ -138,9 +143,48 @@ class Router:
         self.in_flight_gauge = prom.Gauge(
             "pagoda_router:replica_in_flight", "Requests in flight", labels, registry=self.registry
         )
+        self.set_replicas(backends)
+
+    def set_replicas(self, urls: list[str]) -> None:
+        """Replicas for `urls`: those already known keep their state, new ones start
+        healthy with an empty table, and ones no longer named are dropped."""
+        urls = [u.rstrip("/") for u in urls]
+        known = {r.url: r for r in self.replicas}
         for r in self.replicas:
-            self.healthy_gauge.labels(r.url).set(1)
-            self.in_flight_gauge.labels(r.url).set_function(lambda r=r: r.in_flight)
+            if r.url not in urls:
+                logger.info("router: replica %s removed", r.url)
+                self.table.forget(r.index)
+                for metric in (self.healthy_gauge, self.in_flight_gauge):
+                    metric.remove(r.url)
+        self.replicas = []
+        for url in dict.fromkeys(urls):
+            replica = known.get(url)
+            if replica is None:
+                replica = Replica(url, self._next_index)
+                self._next_index += 1
+                self.healthy_gauge.labels(url).set(1)
+                self.in_flight_gauge.labels(url).set_function(lambda r=replica: r.in_flight)
+                if known:
+                    logger.info("router: replica %s added", url)
+            self.replicas.append(replica)
+
+    async def discover_replicas(self) -> None:
+        """With `discover`: the replicas are what its host resolves to now (kept as
+        they are when the lookup fails)."""
+        import socket
+
+        host, port = self.discover
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            )
+        except OSError as e:
+            logger.warning("router: cannot resolve %s (%s)", host, e)
+            return
+        addresses = sorted({info[4][0] for info in infos})
+        self.set_replicas(
+            [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addresses]
+        )
 
     # ---- routing ---------------------------------------------------------------------
 
@@ -213,6 +257,13 @@ class Router:
         self.healthy_gauge.labels(replica.url).set(int(healthy))
 
 
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"discover_dns must be HOST:PORT, got {text!r}.")
+    return host, int(port)
+
+
 def _text_only(message: dict) -> dict:
     """A chat message with its content parts' text joined (what prefix hashing needs)."""
     content = message.get("content")
@@ -232,7 +283,9 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
 
     async def check_health() -> None:
         while True:
-            for replica in router.replicas:
+            if router.discover is not None:
+                await router.discover_replicas()
+            for replica in list(router.replicas):
                 try:
                     r = await client.get(replica.url + "/health", timeout=2.0)
                     router.set_health(replica, r.status_code == 200)
@@ -340,13 +393,16 @@ def run_router(ns: argparse.Namespace) -> int:
         raise ValueError(f"health_check_interval must be > 0, got {ns.health_check_interval}.")
     path, is_gguf = resolve_model(ns.model)
     router = Router(
-        ns.backend,
+        ns.backend or [],
         ns.policy,
         ns.block_size,
         ns.balance_threshold,
         ns.prefix_table_size,
         tokenizer=load_tokenizer(path, is_gguf),
+        discover=ns.discover_dns,
     )
+    if router.discover is not None:
+        asyncio.run(router.discover_replicas())
     logger.info(
         "pagoda router: %d replicas (%s), policy %s, on http://%s:%d",
         len(router.replicas),
@@ -410,6 +466,7 @@ def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
                 time.sleep(0.5)
         router_ns = argparse.Namespace(
             backend=[url for _, url in replicas],
+            discover_dns=None,
             host=ns.host,
             port=ns.port,
             policy="prefix",
