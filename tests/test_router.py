@@ -213,6 +213,60 @@ def test_replicas_found_by_dns(replicas, tiny_llama):
         Router([], discover="localhost")
 
 
+def test_a_draining_replica_passes_its_requests_on(replicas, tiny_llama):
+    """A replica answering 503 (here a stand-in for one shutting down) started
+    nothing: the request goes to another, and with no other its 503 comes back."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response
+
+    app = FastAPI()
+    refusal = {"message": "shutting down", "type": "ServiceUnavailableError",
+               "param": None, "code": "unavailable"}  # fmt: skip
+
+    @app.post("/v1/completions")
+    async def refuse():
+        return JSONResponse({"error": refusal}, status_code=503)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    port = free_port()
+    fake = uvicorn.Server(uvicorn.Config(app, port=port, log_level="error"))
+    threading.Thread(target=fake.run, daemon=True).start()
+    while not fake.started:
+        time.sleep(0.05)
+    draining = f"http://127.0.0.1:{port}"
+    try:
+        router = RemoteRouter(
+            [draining, replicas[0].url], tiny_llama, "--policy", "round-robin",
+            "--health-check-interval", "60",
+        )  # fmt: skip
+        try:
+            for i in range(3):
+                r = router.client().completions.create(
+                    model=tiny_llama, prompt=f"x {i}", max_tokens=2
+                )
+                assert r.choices[0].text is not None
+            m = router.metrics()
+            assert m[("pagoda_router:retries_total", ())] >= 1
+            assert m[("pagoda_router:replica_healthy", (("replica", draining),))] == 0
+        finally:
+            router.stop()
+        alone = RemoteRouter([draining], tiny_llama, "--health-check-interval", "60")
+        try:
+            with pytest.raises(openai.APIStatusError) as e:
+                alone.client().completions.create(model=tiny_llama, prompt="x", max_tokens=2)
+            assert e.value.status_code == 503 and e.value.body == refusal
+        finally:
+            alone.stop()
+    finally:
+        fake.should_exit = True
+
+
 def test_a_dead_replica_loses_no_request_that_had_not_started(tiny_llama):
     servers = [RemoteServer(tiny_llama), RemoteServer(tiny_llama)]
     # Health checks far apart: the router learns of the death from the request itself.

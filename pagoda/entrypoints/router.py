@@ -14,8 +14,9 @@ healthy replica by how many leading blocks of the prompt it holds:
 - `round-robin`, `least-loaded` (fewest requests in flight): for comparison.
 
 Requests and responses pass through unchanged (streams chunk by chunk, errors with
-their status and body). A replica that cannot be reached before the response starts
-is marked down and the request goes to another; health checks (`GET /health`) take
+their status and body). A replica that cannot be reached, or that answers 503
+(draining, dead, or its queue full), has started nothing: the request goes to
+another, and the replica is marked down unless only its queue was full; health checks (`GET /health`) take
 replicas out and put them back. `/v1/models` is the union of the replicas'; `/metrics`
 is the router's own (per-replica routing counts, prefix blocks matched, retries).
 """
@@ -336,9 +337,12 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
         )
         headers = {k: v for k, v in raw.headers.items() if k.lower() not in _HOP_HEADERS}
         tried: set[Replica] = set()
+        refused: Response | None = None  # the last replica's 503, if every one refused
         while True:
             replica = router.choose(hashes, tried)
             if replica is None:
+                if refused is not None:
+                    return refused
                 return _error(503, "no replica could take the request", "ServiceUnavailableError")
             tried.add(replica)
             replica.in_flight += 1
@@ -356,12 +360,21 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
                 router.set_health(replica, False)
                 router.retries.inc()
                 continue
+            if response.status_code == 503:
+                # Nothing started there: the replica is draining (a rolling update),
+                # dead, or its queue is full. Another one may take it.
+                body = await response.aread()
+                await response.aclose()
+                replica.in_flight -= 1
+                if _error_code(body) != "queue_full":
+                    router.set_health(replica, False)
+                router.retries.inc()
+                refused = Response(body, 503, _relayed_headers(response))
+                continue
             return StreamingResponse(
                 _relayed(response, replica),
                 status_code=response.status_code,
-                headers={
-                    k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS
-                },
+                headers=_relayed_headers(response),
             )
 
     @app.post("/v1/completions")
@@ -373,6 +386,18 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
         return await relay("/v1/chat/completions", raw)
 
     return app
+
+
+def _relayed_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def _error_code(body: bytes) -> str | None:
+    """The `code` of an OpenAI error body, if it is one."""
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def _relayed(response: httpx.Response, replica: Replica):
