@@ -75,6 +75,23 @@ def test_loads_first_then_cache():
         Router(["http://a"], "random")
 
 
+def test_chat_and_text_prompts_hash_through_the_tokenizer(tiny_llama):
+    from pagoda.model_executor.model_loader import load_tokenizer
+
+    router = Router(["http://a"], tokenizer=load_tokenizer(tiny_llama, False))
+    text = "the quick brown fox jumps over the lazy dog " * 8
+
+    def chat(end: str) -> list[bytes]:
+        return router.block_hashes({"messages": [{"role": "user", "content": text + end}]})
+
+    a, b = chat("one"), chat("two, and a longer ending than the first one has " * 3)
+    assert len(a) >= 3 and b[: len(a) - 1] == a[: len(a) - 1]  # the shared prefix
+    parts = [{"role": "user", "content": [{"type": "text", "text": text + "one"}]}]
+    assert router.block_hashes({"messages": parts}) == a
+    assert len(router.block_hashes({"prompt": text})) >= 3
+    assert router.block_hashes({"prompt": [1, -5] * 20}) == []  # ids no vocabulary has
+
+
 def test_prefix_table_is_bounded_and_chained():
     table = PrefixTable(capacity=3)
     table.record([b"a", b"b", b"c", b"d"], 0)
@@ -186,6 +203,27 @@ def test_relays_streams_errors_and_models(replicas, tiny_llama):
             direct.completions.create(model=tiny_llama, prompt="x", max_tokens=-1)
         assert routed.value.body == plain.value.body  # the replica's error, unchanged
         assert [m.id for m in client.models.list().data] == [tiny_llama]
+    finally:
+        router.stop()
+
+
+def test_callers_that_leave_free_their_replica(replicas, tiny_llama):
+    """A caller gone mid-stream, or before a non-streamed answer: the replica's
+    connection is closed (so it aborts the request) and its in-flight count drops."""
+    router = RemoteRouter([replicas[0].url], tiny_llama)
+    body = {"model": tiny_llama, "prompt": "go", "max_tokens": 400, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", router.url + "/v1/completions", json={**body, "stream": True},
+                          timeout=30) as r:  # fmt: skip
+            next(r.iter_lines())
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(router.url + "/v1/completions", json=body, timeout=0.05)
+        key = ("pagoda_router:replica_in_flight", (("replica", replicas[0].url),))
+        deadline = time.monotonic() + 30
+        while router.metrics()[key] != 0:
+            assert time.monotonic() < deadline, router.metrics()[key]
+            time.sleep(0.1)
+        replicas[0].wait_idle()  # both were aborted there, not run to the end
     finally:
         router.stop()
 

@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    # No abbreviated options: --data-parallel-size hands the rest to its replicas whole.
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server", allow_abbrev=False)
     serve.add_argument(
         "model_tag",
         nargs="?",

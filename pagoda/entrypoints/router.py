@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -53,6 +54,7 @@ class Replica:
     index: int
     healthy: bool = True
     in_flight: int = 0
+    removed: bool = False  # no longer among the router's replicas (DNS discovery)
 
 
 class PrefixTable:
@@ -144,6 +146,13 @@ class Router:
         self.in_flight_gauge = prom.Gauge(
             "pagoda_router:replica_in_flight", "Requests in flight", labels, registry=self.registry
         )
+        self._per_replica = (
+            self.requests_total,
+            self.prompt_blocks,
+            self.matched_blocks,
+            self.healthy_gauge,
+            self.in_flight_gauge,
+        )
         self.set_replicas(backends)
 
     def set_replicas(self, urls: list[str]) -> None:
@@ -154,9 +163,11 @@ class Router:
         for r in self.replicas:
             if r.url not in urls:
                 logger.info("router: replica %s removed", r.url)
+                r.removed = True  # a relay still holding it must not bring it back
                 self.table.forget(r.index)
-                for metric in (self.healthy_gauge, self.in_flight_gauge):
-                    metric.remove(r.url)
+                for metric in self._per_replica:
+                    with contextlib.suppress(KeyError):  # never routed to: no child
+                        metric.remove(r.url)
         self.replicas = []
         for url in dict.fromkeys(urls):
             replica = known.get(url)
@@ -193,6 +204,8 @@ class Router:
         """The chained hashes of the prompt's full blocks ([] when it has no tokens the
         router can see: no tokenizer, or a prompt it cannot render)."""
         tokens = self._prompt_tokens(body)
+        if not all(isinstance(t, int) and 0 <= t < 1 << 62 for t in tokens):
+            return []  # ids no vocabulary has: the replica will refuse them
         hashes, parent = [], None
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
             parent = hash_block(parent, tokens[start : start + self.block_size])
@@ -212,11 +225,10 @@ class Router:
                 return self.tokenizer.encode(prompt)
             messages = body.get("messages")
             if isinstance(messages, list):
-                return list(
-                    self.tokenizer.apply_chat_template(
-                        [_text_only(m) for m in messages], add_generation_prompt=True
-                    )
+                ids = self.tokenizer.apply_chat_template(
+                    [_text_only(m) for m in messages], add_generation_prompt=True, tokenize=True
                 )
+                return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
         except Exception:  # a prompt the engine will refuse, or a template that fails
             return []
         return []
@@ -229,8 +241,9 @@ class Router:
         if self.policy == "round-robin":
             return candidates[turn % len(candidates)]
         # Ties in load go round, so new prefixes spread out even when all are idle.
-        n = len(self.replicas)
-        least = min(candidates, key=lambda r: (r.in_flight, (r.index - turn) % n))
+        n = len(candidates)
+        order = {r: (pos - turn) % n for pos, r in enumerate(candidates)}
+        least = min(candidates, key=lambda r: (r.in_flight, order[r]))
         if self.policy == "least-loaded" or not hashes:
             return least
         if max(r.in_flight for r in candidates) - least.in_flight > self.balance_threshold:
@@ -240,6 +253,8 @@ class Router:
         return best if matched[best] > 0 else least
 
     def record(self, hashes: list[bytes], replica: Replica) -> None:
+        if replica.removed:
+            return
         self.requests_total.labels(replica.url).inc()
         if hashes:
             self.prompt_blocks.labels(replica.url).inc(len(hashes))
@@ -249,6 +264,8 @@ class Router:
             self.table.record(hashes, replica.index)
 
     def set_health(self, replica: Replica, healthy: bool) -> None:
+        if replica.removed:
+            return
         if replica.healthy and not healthy:
             logger.warning("router: replica %s is down", replica.url)
             self.table.forget(replica.index)
@@ -280,18 +297,25 @@ def _error(status: int, message: str, type_: str) -> JSONResponse:
 
 
 def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    # No cap on connections: each one is a request in flight, which the replicas queue.
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
+    )
 
     async def check_health() -> None:
-        while True:
-            if router.discover is not None:
-                await router.discover_replicas()
-            for replica in list(router.replicas):
-                try:
-                    r = await client.get(replica.url + "/health", timeout=2.0)
-                    router.set_health(replica, r.status_code == 200)
-                except httpx.HTTPError:
-                    router.set_health(replica, False)
+        while True:  # never ends but by cancellation: an error skips one round
+            try:
+                if router.discover is not None:
+                    await router.discover_replicas()
+                for replica in list(router.replicas):
+                    try:
+                        r = await client.get(replica.url + "/health", timeout=2.0)
+                        router.set_health(replica, r.status_code == 200)
+                    except httpx.HTTPError:
+                        router.set_health(replica, False)
+            except Exception:
+                logger.exception("router: health check failed; next round in %.1f s",
+                                 health_check_interval)  # fmt: skip
             await asyncio.sleep(health_check_interval)
 
     @contextlib.asynccontextmanager
@@ -299,6 +323,8 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
         task = asyncio.create_task(check_health())
         yield
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         await client.aclose()
 
     app = FastAPI(title="pagoda router", lifespan=lifespan)
@@ -315,13 +341,14 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
         return Response(prom.generate_latest(router.registry), media_type=prom.CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def list_models():
+    async def list_models(raw: Request):
         cards: dict[str, dict] = {}
-        for replica in router.replicas:
+        auth = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+        for replica in list(router.replicas):
             if not replica.healthy:
                 continue
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-                r = await client.get(replica.url + "/v1/models", timeout=5.0)
+                r = await client.get(replica.url + "/v1/models", headers=auth, timeout=5.0)
                 for card in r.json()["data"]:
                     cards.setdefault(card["id"], card)
         return {"object": "list", "data": list(cards.values())}
@@ -349,33 +376,33 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
             # Recorded now, not once the replica answers: the same prefix arriving
             # meanwhile must find where it went.
             router.record(hashes, replica)
+            url = replica.url + path + (f"?{raw.url.query}" if raw.url.query else "")
+            response = None
             try:
-                request = client.build_request(
-                    "POST", replica.url + path, content=content, headers=headers
+                response = await client.send(
+                    client.build_request("POST", url, content=content, headers=headers),
+                    stream=True,
                 )
-                response = await client.send(request, stream=True)
-            except httpx.TransportError as e:  # nothing was sent back: try another
-                replica.in_flight -= 1
+                if response.status_code == 503:
+                    # Nothing started there: the replica is draining (a rolling
+                    # update), dead, or its queue is full. Another one may take it.
+                    body = await response.aread()
+                    refused = Response(body, 503, _relayed_headers(response))
+                    if _error_code(body) != "queue_full":
+                        router.set_health(replica, False)
+                    router.retries.inc()
+                    await _release(response, replica)
+                    continue
+            except httpx.TransportError as e:  # nothing came back: try another
+                await _release(response, replica)
                 logger.warning("router: %s unreachable (%r); trying another", replica.url, e)
                 router.set_health(replica, False)
                 router.retries.inc()
                 continue
-            if response.status_code == 503:
-                # Nothing started there: the replica is draining (a rolling update),
-                # dead, or its queue is full. Another one may take it.
-                body = await response.aread()
-                await response.aclose()
-                replica.in_flight -= 1
-                if _error_code(body) != "queue_full":
-                    router.set_health(replica, False)
-                router.retries.inc()
-                refused = Response(body, 503, _relayed_headers(response))
-                continue
-            return StreamingResponse(
-                _relayed(response, replica),
-                status_code=response.status_code,
-                headers=_relayed_headers(response),
-            )
+            except BaseException:  # cancelled (the caller left, or shutdown), or a bug
+                await _release(response, replica)
+                raise
+            return RelayedResponse(response, replica)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -400,15 +427,31 @@ def _error_code(body: bytes) -> str | None:
         return None
 
 
-async def _relayed(response: httpx.Response, replica: Replica):
-    """The replica's response body as it arrives; closing it (the client left, or the
-    body ended) closes the replica's connection, which aborts the request there."""
-    try:
-        async for chunk in response.aiter_raw():
-            yield chunk
-    finally:
-        replica.in_flight -= 1
+async def _release(response: httpx.Response | None, replica: Replica) -> None:
+    replica.in_flight -= 1
+    if response is not None:
         await response.aclose()
+
+
+class RelayedResponse(StreamingResponse):
+    """The replica's response as it arrives. However it ends (the body done, the
+    caller gone before or while it streams, an error), the replica's connection is
+    closed, which aborts the request there, and the replica's in-flight count drops
+    exactly once."""
+
+    def __init__(self, response: httpx.Response, replica: Replica) -> None:
+        super().__init__(
+            response.aiter_raw(),
+            status_code=response.status_code,
+            headers=_relayed_headers(response),
+        )
+        self.upstream, self.replica = response, replica
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _release(self.upstream, self.replica)
 
 
 def run_router(ns: argparse.Namespace) -> int:
@@ -439,7 +482,11 @@ def run_router(ns: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.api_server import Server  # exits 0 on SIGTERM
 
     app = build_app(router, ns.health_check_interval)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_config=None, access_log=False)
+    # On SIGTERM, streams in flight get their replicas' shutdown time, then are cut.
+    config = uvicorn.Config(
+        app, host=ns.host, port=ns.port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=int(getattr(ns, "shutdown_timeout", 30)) + 5,
+    )  # fmt: skip
     server = Server(config, shutdown_timeout=0)
     server.run()
     return server.exit_code
@@ -500,6 +547,7 @@ def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
             balance_threshold=16,
             prefix_table_size=1 << 20,
             health_check_interval=2.0,
+            shutdown_timeout=ns.shutdown_timeout,
         )
         return run_router(router_ns)
     finally:
