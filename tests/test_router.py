@@ -102,47 +102,19 @@ def test_prefix_table_is_bounded_and_chained():
 # ---- real replicas ---------------------------------------------------------------------
 
 
-class RemoteRouter:
+class RemoteRouter(RemoteServer):
+    """`pagoda router --backend ...` in a subprocess, waited for as a server is."""
+
     def __init__(self, backends: list[str], model: str, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
         cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--port", str(self.port)]
         cmd += ["--model", model, *(["--backend", *backends] if backends else []), *args]
         fd, self.log_path = tempfile.mkstemp(prefix="pagoda-router-", suffix=".log")
         self.log = os.fdopen(fd, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"router not ready:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        out = {}
-        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
+        self._wait_ready()
 
 
 @pytest.fixture(scope="module")
