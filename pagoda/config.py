@@ -69,6 +69,23 @@ class SchedulerConfig:
     max_loras: int | None = None
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp",)  # worker processes on this machine
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A model split across workers: `tensor_parallel_size` ranks per pipeline stage,
+    `pipeline_parallel_size` stages (see pagoda.distributed)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 SPECULATIVE_METHODS = ("ngram", "draft")
 # The decode kernels read each weight once for up to 8 rows: a request and 7 drafts.
 MAX_SPECULATIVE_TOKENS = 7
@@ -225,6 +242,12 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | None = None
     # Hosts whose image URLs the front door may fetch (vLLM's name); none: refused.
     allowed_media_domains: tuple[str, ...] = ()
+    # The model split across worker processes (vLLM's names): each layer's heads and
+    # columns over tensor_parallel_size ranks, its layers over pipeline_parallel_size
+    # stages. kv_cache_memory_bytes stays the whole engine's budget.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -245,6 +268,8 @@ class EngineArgs:
             "max_n",
             "max_stop_string_chars",
             "max_prompts",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
         ):
             positive(name)
         for name in ("max_logprobs", "max_stop_strings", "max_bad_words", "max_logit_bias"):
@@ -306,6 +331,11 @@ class EngineArgs:
             )
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}."
+            )
 
     def create_model_config(self) -> ModelConfig:
         from pagoda.model_executor import model_loader
@@ -326,6 +356,7 @@ class EngineArgs:
                 "enable_lora: LoRA adapters on vision-language models are not supported yet "
                 f"({hf_config['architectures'][0]})."
             )
+        self._check_parallel(hf_config)
         model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
         window = hf_config.get("sliding_window")
         if window and hf_config.get("use_sliding_window", True) and window < model_max_len:
@@ -361,6 +392,32 @@ class EngineArgs:
             seed=self.seed,
         )
 
+    def _check_parallel(self, hf_config: dict[str, Any]) -> None:
+        """What a model split across workers does not run yet, refused by name."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp * pp == 1:
+            return
+        name = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
+        arch = hf_config["architectures"][0]
+        if self.enable_lora:
+            raise ValueError(f"{name} > 1: LoRA adapters are not split across workers yet.")
+        if "vision_config" in hf_config:
+            raise ValueError(f"{name} > 1: vision-language models ({arch}) are not supported yet.")
+        if tp > 1 and arch == "OlmoeForCausalLM":  # its q/k norms span every head
+            raise ValueError(f"tensor_parallel_size > 1: {arch} is not supported yet.")
+        from pagoda.distributed import split_heads, split_layers
+
+        heads = hf_config["num_attention_heads"]
+        split_heads(heads, hf_config.get("num_key_value_heads") or heads, tp, 0)
+        split_layers(hf_config["num_hidden_layers"], pp, 0)
+
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.distributed_executor_backend,
+        )
+
     def create_draft_model_config(self, target: ModelConfig) -> ModelConfig | None:
         """Speculative method "draft": the draft model's config, checked against the
         target's (same vocabulary, context as long; text-only, since the draft sees
@@ -384,6 +441,8 @@ class EngineArgs:
             keep_full_precision=(),  # the target's choice; the draft is to be cheap
             speculative_config=None,
             enable_lora=False,
+            tensor_parallel_size=1,  # every worker runs the whole draft
+            pipeline_parallel_size=1,
         ).create_model_config()
         name = f"speculative_config.model ({draft.model})"
         if draft.path == target.path and draft.quantization == target.quantization:

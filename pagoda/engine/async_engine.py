@@ -491,6 +491,8 @@ class AsyncEngine:
             self._fail_all(error)
             if self.on_dead is not None:
                 self.on_dead(error)
+        finally:
+            self.engine.shutdown()  # its worker processes, if it has any
 
     def _loop(self) -> None:
         engine = self.engine

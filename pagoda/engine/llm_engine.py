@@ -41,12 +41,25 @@ class LLMEngine:
         self.cache_config = cache_config = engine_args.create_cache_config()
         self.lora_config = engine_args.create_lora_config()
         self.tokenizer = load_tokenizer(model_config.path, model_config.is_gguf)
-        self.model_runner = ModelRunner(
-            model_config,
-            cache_config,
-            self.lora_config,
-            engine_args.create_draft_model_config(model_config),
-        )
+        draft_model_config = engine_args.create_draft_model_config(model_config)
+        self.parallel_config = engine_args.create_parallel_config()
+        if self.parallel_config.world_size > 1:  # the model split across worker processes
+            from pagoda.worker.executor import MultiprocExecutor
+
+            self.model_runner = MultiprocExecutor(
+                model_config, cache_config, draft_model_config, self.parallel_config
+            )
+        else:
+            self.model_runner = ModelRunner(
+                model_config, cache_config, self.lora_config, draft_model_config
+            )
+        try:
+            self._build_around_runner(engine_args, model_config, cache_config)
+        except BaseException:
+            self.shutdown()  # no worker process outlives a failed start
+            raise
+
+    def _build_around_runner(self, engine_args: EngineArgs, model_config, cache_config) -> None:
         num_blocks = self.model_runner.num_blocks
         capacity = num_blocks * cache_config.block_size
         max_model_len = model_config.max_model_len
@@ -198,6 +211,8 @@ class LLMEngine:
             output = self.model_runner.execute_model(sched)
             self._num_failed_steps = 0
             return output, {}
+        except EngineDeadError:  # a worker process died: no request is to blame
+            raise
         except Exception as e:
             if len(sched.scheduled) > 1:
                 logger.warning(
@@ -214,6 +229,8 @@ class LLMEngine:
             for half in (part[: len(part) // 2], part[len(part) // 2 :]):
                 try:
                     results.append(self.model_runner.execute_model(replace(sched, scheduled=half)))
+                except EngineDeadError:
+                    raise
                 except Exception as e:
                     if len(half) == 1:
                         failures[half[0].request_id] = e
@@ -353,3 +370,9 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if the model is split across them (idempotent)."""
+        shutdown = getattr(self.model_runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

@@ -86,6 +86,23 @@ class QuantizedWeight:
         qh = self.qh[index] if self.qh is not None else None
         return QuantizedWeight(self.format, self.qs[index], self.d[index], m, qh)
 
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """The weight's columns [start, end) (a row-parallel shard): whole blocks only."""
+        if self.format == PER_CHANNEL:  # one scale per row: every column keeps it
+            return QuantizedWeight(self.format, self.qs[:, start:end].contiguous(), self.d)
+        if start % BLOCK or end % BLOCK:
+            raise ValueError(
+                f"columns {start}:{end} of a {self.format} weight cut its blocks of {BLOCK}."
+            )
+        cut = slice(start // BLOCK, end // BLOCK)
+
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, cut].contiguous()
+
+        return QuantizedWeight(
+            self.format, part(self.qs), part(self.d), part(self.m), part(self.qh)
+        )
+
     def codes(self) -> torch.Tensor:
         """The integer codes q, int16 [N, K/32, 32] (block formats)."""
         if self.format == "q8_0":

@@ -18,6 +18,7 @@ from pagoda.attention.context import AttentionMetadata, forward_context
 from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache
 from pagoda.config import CacheConfig, LoRAConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.lora.manager import LoRAManager
 from pagoda.model_executor import model_loader
 from pagoda.model_executor.layers.attention import Attention
@@ -37,8 +38,13 @@ class ModelRunner:
         cache_config: CacheConfig,
         lora_config: LoRAConfig | None = None,
         draft_model_config: ModelConfig | None = None,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
+        """`parallel`: this worker's place when the model is split across workers (see
+        pagoda.worker.executor); each holds its shard of the model and of every KV
+        block, and only the driver samples."""
         self.model_config = model_config
+        self.parallel = parallel
         self.block_size = cache_config.block_size
         self.dtype = _DTYPES[model_config.dtype]
         self.device = torch.device("cpu")
@@ -47,7 +53,7 @@ class ModelRunner:
         self.ops = select_ops(
             model_config.kernel_backend, self.dtype, model_config.int8_activations
         )
-        self.model = load_model(model_config, self.ops)
+        self.model = load_model(model_config, self.ops, parallel)
         self.drafter = None  # speculative method "draft": its model and KV pool
         if draft_model_config is not None:
             from pagoda.worker.draft_model import DraftModel  # it imports this module
@@ -69,14 +75,16 @@ class ModelRunner:
         # Decode-only steps of up to this many rows run in one C++ call (0: none do).
         self.decode_loop_max_rows = (
             0 if model_config.enforce_eager else self.model.build_decode_loop()
-        )
+        )  # (0 when split across workers: the loop runs no collectives)
         if self.decode_loop_max_rows:
             logger.info(
                 "decode steps of up to %d rows: one C++ call (csrc/decode_loop.cpp)",
                 self.decode_loop_max_rows,
             )
         # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
-        self.num_host_blocks = cache_config.swap_space_bytes // self.bytes_per_block
+        self.num_host_blocks = cache_config.swap_space_bytes // parallel.sum_over_workers(
+            self.bytes_per_block
+        )
         self.host_kv_cache = self.kv_cache.like(self.num_host_blocks)
         self.generator = torch.Generator(self.device).manual_seed(model_config.seed)
         # Vision-language models: image hash -> encoder output [rows, hidden]; the
@@ -95,6 +103,8 @@ class ModelRunner:
         per_block = self.bytes_per_block
         if self.drafter is not None:
             per_block += self.drafter.bytes_per_block(dtype)
+        # The budget is the engine's, over every worker's shard of a block.
+        per_block = self.parallel.sum_over_workers(per_block)
         num_blocks = budget_bytes // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -146,6 +156,8 @@ class ModelRunner:
             )
         with forward_context(meta, lora):
             hidden = self.model(input_ids, positions, inputs_embeds)  # [T, hidden]
+        if hidden is None:  # a pipeline stage before the last: sent on
+            return ModelRunnerOutput([], [])
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, cu_q)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sampling_params is not None]
         if not sampling:
@@ -162,6 +174,8 @@ class ModelRunner:
             rows += range(end - 1 - r.num_draft_tokens, end)
             row_reqs += _draft_rows(r) if r.num_draft_tokens else [r]
         logits = self.model.compute_logits(hidden[rows])  # [rows, V], model dtype
+        if logits is None:  # a tensor-parallel rank that is not the driver
+            return ModelRunnerOutput([], [])
         st = SamplingTensors.from_requests(row_reqs, self.vocab_size)
         if grammar_rows:
             st.grammar = (grammar_rows, torch.from_numpy(sched.grammar_bitmask[bitmask_rows]))
@@ -237,7 +251,10 @@ class ModelRunner:
                 continue
             start = int(cu_q[i])
             targets = torch.tensor(r.prompt_logprob_targets)
-            logits = self.model.compute_logits(hidden[start : start + len(targets)]).float()
+            logits = self.model.compute_logits(hidden[start : start + len(targets)])
+            if logits is None:  # not the driver (it took part in the gather)
+                continue
+            logits = logits.float()
             n = r.prompt_logprobs_n
             out[r.request_id] = [
                 entry for _, entry in compute_logprobs(logits, targets, [n] * len(targets))
@@ -317,11 +334,12 @@ def _num_accepted(r: ScheduledRequest, sampled: list[int]) -> int:
     return n
 
 
-def load_model(mc: ModelConfig, ops) -> torch.nn.Module:
+def load_model(mc: ModelConfig, ops, parallel: ParallelContext = SINGLE) -> torch.nn.Module:
     # Built with uninitialized (so never touched, never resident) float32 weights; each
     # gets its storage as it loads, in the model's dtype or in its quantized blocks.
     # (Not the meta device: its first use imports about 70 MiB of Python.)
-    model = MODEL_REGISTRY[mc.architecture](mc.hf_config, ops)
+    cls = MODEL_REGISTRY[mc.architecture]
+    model = cls(mc.hf_config, ops) if parallel is SINGLE else cls(mc.hf_config, ops, parallel)
     weights = model_loader.iter_weights(
         mc.path, mc.is_gguf, mc.hf_config, mc.quantization, mc.keep_full_precision
     )

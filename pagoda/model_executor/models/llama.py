@@ -22,33 +22,53 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.attention.context import get_attention_metadata, get_lora_mapping
+from pagoda.distributed import SINGLE, ParallelContext, split_heads, split_layers, split_range
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.fused_moe import FusedMoE
 from pagoda.model_executor.layers.layernorm import RMSNorm
-from pagoda.model_executor.layers.linear import Embedding, Linear
+from pagoda.model_executor.layers.linear import Embedding, Linear, Shard
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
-from pagoda.model_executor.quantization import QuantizedWeight
+from pagoda.model_executor.quantization import BLOCK, QuantizedWeight
 from pagoda.ops import TORCH_OPS, Ops
 
 logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], ops: Ops, rotary_emb: RotaryEmbedding) -> None:
+    """Tensor parallel: this rank's heads (`split_heads`): its rows of q/k/v, and o_proj
+    on their columns (row parallel)."""
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        ops: Ops,
+        rotary_emb: RotaryEmbedding,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        total_heads = cfg["num_attention_heads"]
+        total_kv_heads = cfg.get("num_key_value_heads") or total_heads
+        self.head_dim = D = cfg.get("head_dim") or hidden // total_heads
+        q_start, self.num_heads, kv_start, self.num_kv_heads = split_heads(
+            total_heads, total_kv_heads, parallel.tp_size, parallel.tp_rank
+        )
+        self.q_size = self.num_heads * D
+        self.kv_size = self.num_kv_heads * D
         arch = cfg["architectures"][0]
         bias = {
             "Qwen2ForCausalLM": True,
             "Qwen2MoeForCausalLM": bool(cfg.get("qkv_bias", True)),
         }.get(arch, bool(cfg.get("attention_bias", False)))
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias, ops)
-        self.o_proj = Linear(self.q_size, hidden, False, ops)
+        qkv_shard = o_shard = None
+        if parallel.tp_size > 1:
+            q_part = (total_heads * D, q_start * D, self.q_size)
+            kv_part = (total_kv_heads * D, kv_start * D, self.kv_size)
+            qkv_shard, o_shard = Shard(0, (q_part, kv_part, kv_part)), Shard(1, (q_part,))
+        self.qkv_proj = Linear(
+            hidden, self.q_size + 2 * self.kv_size, bias, ops, qkv_shard, parallel
+        )
+        self.o_proj = Linear(self.q_size, hidden, False, ops, o_shard, parallel)
         self.rotary_emb = rotary_emb  # one table for every layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
         # OLMoE: RMSNorm over the whole q and k projections, then q, k, v clamped.
@@ -84,14 +104,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any], ops: Ops, intermediate_size: int | None = None) -> None:
+    """Tensor parallel: this rank's columns of the intermediate (cut at blocks of 32, so
+    quantized weights split whole): its rows of gate/up, down_proj on them."""
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        ops: Ops,
+        intermediate_size: int | None = None,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:
         super().__init__()
         hidden, inter = cfg["hidden_size"], intermediate_size or cfg["intermediate_size"]
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu).")
         bias = bool(cfg.get("mlp_bias", False))
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias, ops)
-        self.down_proj = Linear(inter, hidden, bias, ops)
+        gate_up_shard = down_shard = None
+        if parallel.tp_size > 1:
+            start, end = split_range(inter, parallel.tp_size, parallel.tp_rank, BLOCK)
+            part = (inter, start, end - start)
+            gate_up_shard, down_shard = Shard(0, (part, part)), Shard(1, (part,))
+            inter = end - start
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias, ops, gate_up_shard, parallel)
+        self.down_proj = Linear(inter, hidden, bias, ops, down_shard, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -140,12 +175,22 @@ def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: dict[str, Any], ops: Ops, rotary_emb: RotaryEmbedding, layer_idx: int = 0
+        self,
+        cfg: dict[str, Any],
+        ops: Ops,
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int = 0,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, ops, rotary_emb)
-        self.mlp = SparseMoeBlock(cfg, ops) if is_moe_layer(cfg, layer_idx) else LlamaMLP(cfg, ops)
+        self.self_attn = LlamaAttention(cfg, ops, rotary_emb, parallel)
+        # Experts are not split: each rank runs them all on the whole hidden state.
+        self.mlp = (
+            SparseMoeBlock(cfg, ops)
+            if is_moe_layer(cfg, layer_idx)
+            else LlamaMLP(cfg, ops, parallel=parallel)
+        )
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, ops)
 
@@ -161,9 +206,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
+    """Pipeline parallel: a stage holds layers [start_layer, end_layer) (the others are
+    empty placeholders, so names stay the checkpoint's), the first the embedding and
+    the last the final norm."""
+
+    def __init__(self, cfg: dict[str, Any], ops: Ops, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"], ops)
+        self.parallel = parallel
+        self.hidden_size = cfg["hidden_size"]
+        self.embed_tokens = None
+        if parallel.is_first_stage:
+            self.embed_tokens = vocab_parallel(Embedding, cfg, ops, parallel)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         rotary_emb = RotaryEmbedding(
             head_dim,
@@ -172,8 +225,15 @@ class LlamaModel(nn.Module):
             cfg.get("rope_scaling"),
             ops,
         )
+        num_layers = cfg["num_hidden_layers"]
+        self.start_layer, self.end_layer = split_layers(
+            num_layers, parallel.pp_size, parallel.pp_rank
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ops, rotary_emb, i) for i in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, ops, rotary_emb, i, parallel)
+            if self.start_layer <= i < self.end_layer
+            else nn.Identity()
+            for i in range(num_layers)
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ops)
         self.ops = ops
@@ -190,6 +250,8 @@ class LlamaModel(nn.Module):
         kernel layer would; MoE layers and OLMoE's q/k norms run there too. Returns
         the most rows it takes (0: not built)."""
         ops = self.ops
+        if self.parallel.world_size > 1:  # its layers run whole, with no collectives
+            return 0
         if ops.decode_loop is None or any(
             layer.self_attn.attn.kv.quantized
             # The loop clamps q/k/v only after OLMoE's q/k norms, with the model's eps.
@@ -299,6 +361,8 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if not self.parallel.is_first_stage:
+            return self._forward_stage(positions)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         residual = None
         if self.decode_loop is not None and x.shape[0] <= self.decode_loop_max_rows:
@@ -313,10 +377,37 @@ class LlamaModel(nn.Module):
                     meta.decode_seq_lens,
                     lora.segment_tensor if lora is not None else None,
                 )
-        for layer in self.layers:
+        return self._run_layers(positions, x, residual)
+
+    def _forward_stage(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """A later pipeline stage: the previous stage's hidden states and residual in."""
+        first = self.layers[self.start_layer].input_layernorm.weight
+        like = ((positions.shape[0], self.hidden_size), first.dtype)
+        x, residual = self.parallel.recv_from_prev_stage(like, like)
+        return self._run_layers(positions, x, residual)
+
+    def _run_layers(self, positions, x, residual) -> torch.Tensor | None:
+        """This stage's layers; then the final norm, or (not the last stage) the
+        hidden states and residual out to the next stage (returns None)."""
+        for layer in self.layers[self.start_layer : self.end_layer]:
             x, residual = layer(positions, x, residual)
+        if not self.parallel.is_last_stage:
+            self.parallel.send_to_next_stage(x, residual)
+            return None
         x, _ = self.norm(x, residual)
         return x
+
+
+def vocab_parallel(cls, cfg: dict[str, Any], ops: Ops, parallel: ParallelContext):
+    """An Embedding or the lm_head over this TP rank's range of the vocabulary."""
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    if parallel.tp_size == 1:
+        return cls(vocab, hidden, ops) if cls is Embedding else cls(hidden, vocab, False, ops)
+    start, end = split_range(vocab, parallel.tp_size, parallel.tp_rank)
+    shard = Shard(0, ((vocab, start, end - start),))
+    if cls is Embedding:
+        return Embedding(end - start, hidden, ops, shard, parallel)
+    return Linear(hidden, end - start, False, ops, shard, parallel)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -329,16 +420,27 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: dict[str, Any], ops: Ops = TORCH_OPS) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], ops: Ops = TORCH_OPS, parallel: ParallelContext = SINGLE
+    ) -> None:
         """`ops`: the kernel layer's implementations, chosen once at load (pagoda.ops).
         The linear and embedding weights are left uninitialized: `load_weights` gives
-        every parameter its storage, in the model's dtype or quantized."""
+        every parameter its storage, in the model's dtype or quantized. `parallel`: this
+        worker's shard of the model (its heads, columns and vocabulary; its layers)."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, ops)
+        self.parallel = parallel
+        self.model = LlamaModel(cfg, ops, parallel)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], False, ops)
-        if self.tie_word_embeddings:
+        self.lm_head = None  # the last stage's
+        if parallel.is_last_stage:
+            self.lm_head = vocab_parallel(Linear, cfg, ops, parallel)
+            ranges = (
+                split_range(cfg["vocab_size"], parallel.tp_size, r) for r in range(parallel.tp_size)
+            )
+            self.vocab_sizes = [end - start for start, end in ranges]  # each TP rank's
+        first_and_last = self.lm_head is not None and self.model.embed_tokens is not None
+        if self.tie_word_embeddings and first_and_last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
@@ -364,8 +466,9 @@ class LlamaForCausalLM(nn.Module):
                 yield i, ("gate_proj", "up_proj"), layer.mlp.gate_up_proj
                 yield i, ("down_proj",), layer.mlp.down_proj
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits [rows, vocab]; tensor parallel, on TP rank 0 only (None elsewhere)."""
+        return self.parallel.gather_columns(self.lm_head(hidden), self.vocab_sizes)
 
     def load_weights(
         self,
@@ -388,6 +491,9 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            name = self._stage_name(name)
+            if name is None:  # another pipeline stage's
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
             expert = _EXPERT_WEIGHT.match(name)
@@ -437,13 +543,31 @@ class LlamaForCausalLM(nn.Module):
                 + (" ..." if len(missing) > 5 else "")
             )
         embed = self.model.embed_tokens
-        if self.tie_word_embeddings:
+        if self.lm_head is None:  # not the last pipeline stage
+            return
+        if self.tie_word_embeddings and embed is not None:
             if embed.qweight is not None:
                 self.lm_head.set_quantized(embed.qweight)
             else:
                 self.lm_head.weight = embed.weight
         elif "lm_head.weight" not in loaded:
             raise ValueError("checkpoint is missing weights: lm_head.weight")
+
+    def _stage_name(self, name: str) -> str | None:
+        """The parameter that checkpoint weight `name` loads into on this pipeline
+        stage, or None if another stage holds it (a tied lm_head on a last stage
+        without the embedding loads the embedding's table)."""
+        layer = _LAYER_WEIGHT.match(name)
+        if layer is not None:
+            inner = self.model
+            return name if inner.start_layer <= int(layer.group(1)) < inner.end_layer else None
+        if name.startswith("model.embed_tokens.") and self.model.embed_tokens is None:
+            if self.tie_word_embeddings and self.lm_head is not None:
+                return name.replace("model.embed_tokens.", "lm_head.")
+            return None
+        if name.startswith("lm_head.") and self.lm_head is None:
+            return None
+        return name
 
     def _stack_expert(self, match, w, params, experts, loaded, dtype) -> bool:
         """One expert's gate, up or down weight into its layer's experts; they are set
@@ -500,6 +624,9 @@ class LlamaForCausalLM(nn.Module):
         module_name, attr = target.rsplit(".", 1)
         module = self.get_submodule(module_name)
         param = getattr(module, attr)
+        shard = getattr(module, "shard", None)
+        if shard is not None:  # this tensor-parallel rank's slice of each part
+            parts = [shard.take(i, p, n) for i, (p, n) in enumerate(zip(parts, names, strict=True))]
         sizes = (
             [param.shape[0]]
             if len(parts) == 1
@@ -529,12 +656,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _shard_sizes(self, fused_part: str, rows: int) -> list[int]:
         """The parts of a fused weight of `rows` rows: q, k, v, or gate and up."""
-        attn = self.model.layers[0].self_attn
+        attn = self.model.layers[self.model.start_layer].self_attn
         if fused_part == ".qkv_proj.":
             return [attn.q_size, attn.kv_size, attn.kv_size]
         return [rows // 2] * 2  # a layer's MLP or a shared expert: each its own size
 
 
+_LAYER_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.")
 # An expert's weight, by Mixtral's (w1, w3, w2) or Qwen2-MoE's and OLMoE's names.
 _EXPERT_WEIGHT = re.compile(
     r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"

@@ -1,0 +1,273 @@
+"""`MultiprocExecutor`: the engine's model runner when the model is split across worker
+processes (tensor and pipeline parallel, `--distributed-executor-backend mp`).
+
+The engine keeps one scheduler and one block manager; one block table serves every
+shard, as in vLLM. Each step the executor sends the `SchedulerOutput` to every worker
+(spawned processes, each pinned to its own cores, one `ModelRunner` each over its
+shard of the model and of every KV block, talking among themselves over
+torch.distributed with gloo), and waits for all of them: the driver (rank 0 of the
+last stage) answers with the sampled tokens, the others with None, and any worker's
+error is raised here, so the engine's isolation of failing requests works as with one
+process. A worker that dies (its process sentinel fires) makes the engine raise
+`EngineDeadError`; workers exit when the engine's end of their pipe closes, and the
+kernel kills them if the engine process dies (PR_SET_PDEATHSIG), so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from multiprocessing import connection
+from typing import Any
+
+from pagoda.config import CacheConfig, ModelConfig, ParallelConfig
+from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagoda.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# How long a collective may wait for a peer before it fails (a wedged worker).
+_COLLECTIVE_TIMEOUT_S = int(os.environ.get("PAGODA_DISTRIBUTED_TIMEOUT_S", "300"))
+
+
+class MultiprocExecutor:
+    """The `ModelRunner` surface the engine uses, over `parallel.world_size` workers."""
+
+    lora_manager = None  # LoRA is not split across workers (EngineArgs refuses it)
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        draft_model_config: ModelConfig | None,
+        parallel: ParallelConfig,
+    ) -> None:
+        self.parallel = parallel
+        world = parallel.world_size
+        cores = sorted(os.sched_getaffinity(0))
+        self._store_dir = tempfile.TemporaryDirectory(prefix="pagoda-dist-")
+        store = os.path.join(self._store_dir.name, "store")
+        self.workers: list[subprocess.Popen] = []
+        self.sentinels: list[int] = []  # pidfds: readable once the worker has exited
+        self.conns: list[connection.Connection] = []
+        for rank in range(world):
+            # Each rank its own share of the cores; more ranks than cores share them.
+            share = cores[rank * len(cores) // world : (rank + 1) * len(cores) // world] or [
+                cores[rank % len(cores)]
+            ]
+            ours, theirs = socket.socketpair()
+            # A fresh interpreter running this module (not multiprocessing's spawn,
+            # which imports the caller's __main__ again: scripts without a main guard).
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pagoda.worker.executor", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+            )
+            theirs.close()
+            conn = connection.Connection(ours.detach())
+            self.workers.append(proc)
+            self.sentinels.append(os.pidfd_open(proc.pid))
+            self.conns.append(conn)
+            setup = (rank, parallel, share, store, os.getpid())
+            configs = (model_config, cache_config, draft_model_config)
+            conn.send_bytes(pickle.dumps((setup, configs), protocol=pickle.HIGHEST_PROTOCOL))
+            logger.info("worker %d: pid %d on cores %s", rank, proc.pid, share)
+        self.driver = world - parallel.tensor_parallel_size  # rank 0 of the last stage
+        try:
+            info = self._gather()[self.driver]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = info["num_blocks"]
+        self.num_host_blocks = info["num_host_blocks"]
+        self.kv_cache_dtype_name = info["kv_cache_dtype_name"]
+        self.vocab_size = info["vocab_size"]
+        self.bytes_per_block = info["bytes_per_block"]  # all shards of one block
+        self.decode_loop_max_rows = 0
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.collect()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Start a step; `collect` returns its output. Steps submitted before are
+        collected first: with pipeline parallel, stage 0 starts this one while later
+        stages finish those."""
+        self._send("execute_model", sched)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step not yet collected."""
+        return self._gather()[self.driver]
+
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        """The step's swaps and copies, done by each worker before its next step (no
+        answer: a worker that fails them exits, and the engine with it)."""
+        if sched.blocks_to_swap_out or sched.blocks_to_swap_in or sched.blocks_to_copy:
+            self._send("move_blocks", sched)
+
+    def _send(self, method: str, sched: SchedulerOutput) -> None:
+        message = pickle.dumps((method, sched), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(message)
+            except OSError as e:
+                raise self._dead(rank) from e
+
+    def _gather(self) -> list[Any]:
+        """Every worker's answer to the last message; the first error any raised is
+        raised here (all of them answer first, so the next message finds them in step)."""
+        results: list[Any] = [None] * len(self.conns)
+        errors: list[BaseException] = []
+        waiting = dict(enumerate(self.conns))
+        while waiting:
+            sentinels = {self.sentinels[rank]: rank for rank in waiting}
+            ready = connection.wait([*waiting.values(), *sentinels])
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels[obj]
+                    if not waiting[rank].poll():  # died, with nothing left to read
+                        raise self._dead(rank)
+                    continue
+                rank = next(r for r, c in waiting.items() if c is obj)
+                try:
+                    ok, value = pickle.loads(obj.recv_bytes())
+                except (EOFError, OSError) as e:
+                    raise self._dead(rank) from e
+                del waiting[rank]
+                if ok:
+                    results[rank] = value
+                else:
+                    errors.append(value)
+        if errors:
+            raise errors[0]
+        return results
+
+    def _dead(self, rank: int) -> EngineDeadError:
+        proc = self.workers[rank]
+        try:
+            code = proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.shutdown()
+        return EngineDeadError(
+            f"worker {rank} (pid {proc.pid}) died (exit code {code}); the model is split "
+            "across workers, so the engine cannot go on."
+        )
+
+    def shutdown(self) -> None:
+        """Close the pipes (each worker exits when its pipe closes), then wait for the
+        workers; one that does not exit in time is killed."""
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        for proc in self.workers:
+            try:
+                proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for fd in self.sentinels:
+            os.close(fd)
+        self.workers, self.sentinels = [], []
+        self._store_dir.cleanup()
+
+    def __del__(self) -> None:
+        if getattr(self, "workers", None):
+            self.shutdown()
+
+
+def _worker_main(fd: int) -> None:
+    """A worker process: join the group, build its shard, answer messages until the
+    engine's end of the pipe closes."""
+    import ctypes
+    import signal
+    from datetime import timedelta
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle
+    conn = connection.Connection(fd)
+    try:
+        setup, (model_config, cache_config, draft_model_config) = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    rank, parallel, cores, store, engine_pid = setup
+    if os.getppid() != engine_pid:  # the engine died before prctl
+        return
+    os.sched_setaffinity(0, cores)
+
+    import torch
+    import torch.distributed as dist
+
+    from pagoda.distributed import ParallelContext
+    from pagoda.worker.model_runner import ModelRunner
+
+    torch.set_num_threads(len(cores))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=parallel.world_size,
+            timeout=timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
+        )
+        context = ParallelContext.init(
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank
+        )
+        runner = ModelRunner(model_config, cache_config, None, draft_model_config, parallel=context)
+        _reply(
+            conn,
+            True,
+            {
+                "num_blocks": runner.num_blocks,
+                "num_host_blocks": runner.num_host_blocks,
+                "kv_cache_dtype_name": runner.kv_cache_dtype_name,
+                "vocab_size": runner.vocab_size,
+                "bytes_per_block": context.sum_over_workers(runner.bytes_per_block),
+            },
+        )
+    except BaseException as e:
+        _reply(conn, False, e)
+        return
+    while True:
+        try:
+            method, sched = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the engine is gone or done
+            break
+        if method == "move_blocks":
+            try:
+                runner.move_blocks(sched)
+            except BaseException:  # the KV cache is not what the scheduler thinks
+                logger.exception("worker %d: moving blocks failed", rank)
+                os._exit(1)
+            continue
+        try:
+            result = runner.execute_model(sched)
+            _reply(conn, True, result if context.is_driver else None)
+        except Exception as e:
+            _reply(conn, False, e)
+    dist.destroy_process_group()
+
+
+def _reply(conn: connection.Connection, ok: bool, value: Any) -> None:
+    """Send (ok, value); an error that does not survive pickling goes as a RuntimeError
+    carrying its traceback."""
+    try:
+        data = pickle.dumps((ok, value), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(data)
+    except Exception:
+        if ok:
+            raise
+        text = "".join(traceback.format_exception(value))
+        data = pickle.dumps((False, RuntimeError(f"in a worker: {text}")))
+    with contextlib.suppress(OSError):  # the engine is gone
+        conn.send_bytes(data)
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]))
