@@ -100,10 +100,42 @@ def test_outputs_match_one_process(models, arch, tp, pp):
         assert stats.kv_cache.prefix_cache_hits > 0
         if arch == "mqa":  # its one KV head is stored on both ranks
             assert blocks == want_blocks // 2
-        else:  # the engine's budget, whatever the split: the same schedule
+        else:  # the engine's budget, whatever the split
             assert blocks == want_blocks
+        if pp == 1 and arch != "mqa":  # the same schedule (pipelines keep pp steps in flight)
             assert stats.num_preemptions == want_stats.num_preemptions
         assert stats.num_preemptions > 0  # the budget was small enough to preempt
+
+
+def test_pipeline_keeps_a_step_in_flight_per_stage(models):
+    llm = LLM(
+        models["llama"], dtype="float32", kv_cache_memory_bytes=KV_BYTES,
+        pipeline_parallel_size=2,
+    )  # fmt: skip
+    runner = llm.llm_engine.model_runner
+    submit, collect = runner.submit, runner.collect
+    outstanding = most = 0
+
+    def counting_submit(sched) -> None:
+        nonlocal outstanding, most
+        submit(sched)
+        outstanding += 1
+        most = max(most, outstanding)
+
+    def counting_collect():
+        nonlocal outstanding
+        outstanding -= 1
+        return collect()
+
+    runner.submit, runner.collect = counting_submit, counting_collect
+    try:
+        prompts = tiny_prompts(_tokenizer(models["llama"]), n=8, seed=3)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+        assert most == 2 and outstanding == 0
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def _tokenizer(model: str):

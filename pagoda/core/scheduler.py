@@ -60,6 +60,9 @@ class Scheduler:
         self.fork_waiters: dict[str, list[Request]] = {}
         # Requests first scheduled in this step -> when; reported once by update_from_output.
         self.newly_scheduled: dict[str, float] = {}
+        # Requests in a step whose output has not come back (pipeline parallel keeps
+        # several steps outstanding): not scheduled again, never preempted, until it does.
+        self.in_flight: set[str] = set()
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
@@ -99,6 +102,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status.finished:
                 continue
+            self.in_flight.discard(request_id)  # its step's output, if any, is ignored
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request in self.waiting:
@@ -120,6 +124,8 @@ class Scheduler:
         suspect: set[int] = set()
         for request_id in request_ids:
             request = self.requests.get(request_id)
+            self.in_flight.discard(request_id)
+            self.newly_scheduled.pop(request_id, None)  # it reports nothing
             if request is not None:
                 suspect |= self.kv_cache_manager.forget_uncomputed(request)
         self.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
@@ -164,8 +170,12 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_requests: int | None = None) -> SchedulerOutput:
+        """The next step. `max_requests`: at most this many requests in it (pipeline
+        parallel splits the requests over the steps it keeps in flight)."""
         kv = self.kv_cache_manager
+        if max_requests is None:
+            max_requests = self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         self.encoder_budget = budget
         scheduled: list[ScheduledRequest] = []
@@ -181,8 +191,12 @@ class Scheduler:
         spec = self.config.speculative
         speculate = spec is not None and len(self.running) < spec.disable_by_batch_size
         i = 0
-        while i < len(self.running) and budget > 0:
+        waited = False
+        while i < len(self.running) and budget > 0 and len(scheduled) < max_requests:
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if self._waits_for_image(request, request.num_computed_tokens, num_new):
                 i += 1
@@ -199,7 +213,15 @@ class Scheduler:
                 i += 1
                 continue
             while kv.allocate_slots(request, num_new) is None:
-                victim = self.running[-1]
+                victim = self._last_preemptable()  # at worst, `request` itself
+                if victim is request and any(
+                    r.request_id in self.in_flight for r in self.running[i + 1 :]
+                ):
+                    # The room would come from requests whose steps are in flight: wait
+                    # for those to come back rather than throw this one's work away.
+                    waited = True
+                    i += 1
+                    break
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -209,14 +231,15 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # Then waiting ones, unless running requests had to be preempted to fit.
-        running_short = len(preempted) > num_preempted_for_waiting
+        # Then waiting ones, unless running requests had to be preempted (or wait) to fit.
+        running_short = waited or len(preempted) > num_preempted_for_waiting
         running_loras = self._running_loras()
         while (
             self.waiting
             and not running_short
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and len(scheduled) < max_requests
         ):
             request = self._next_waiting(running_loras)
             if request is None or request.request_id in preempted:
@@ -263,6 +286,7 @@ class Scheduler:
             blocked = self.waiting and not self._lora_fits(self.waiting.peek(), running_loras)
             self.num_steps_head_passed_over = self.num_steps_head_passed_over + 1 if blocked else 0
         copies, swap_out, swap_in = kv.take_block_ops()
+        self.in_flight.update(item.request_id for item in scheduled)
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
@@ -296,7 +320,10 @@ class Scheduler:
         prompt_logprobs = runner_output.prompt_logprobs or {}
         outputs = []
         for item in scheduler_output.scheduled:
-            request = self.requests[item.request_id]
+            self.in_flight.discard(item.request_id)
+            request = self.requests.get(item.request_id)
+            if request is None:  # aborted while its step was in flight
+                continue
             start = request.num_computed_tokens
             token_ids = sampled.get(item.request_id)
             # Rejected drafts' K/V stays in the blocks, past the computed tokens: the
@@ -374,7 +401,6 @@ class Scheduler:
                     num_preemptions=request.num_preemptions,
                 )
             )
-        self.newly_scheduled.clear()  # a request that failed this step reports nothing
         return outputs
 
     # ---- policies -------------------------------------------------------------
@@ -519,8 +545,8 @@ class Scheduler:
         needed = cdiv(min(best.num_tokens, budget), bs)
         preempted = []
         while self.running:
-            victim = self.running[-1]  # the least important
-            if not self.waiting.may_preempt(best, victim):
+            victim = self._last_preemptable()  # the least important
+            if victim is None or not self.waiting.may_preempt(best, victim):
                 break
             running_need = sum(blocks_needed(r) for r in self.running)
             fits = kv.block_pool.num_free_blocks >= needed + running_need
@@ -530,6 +556,10 @@ class Scheduler:
             preempted.append(victim.request_id)
         return preempted
 
+    def _last_preemptable(self) -> Request | None:
+        """The least important running request whose step is not in flight."""
+        return next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
+
     def _preempt(self, request: Request, recompute: bool = False) -> None:
         """Take the request off the device and put it back at the front of the queue.
 
@@ -538,6 +568,7 @@ class Scheduler:
         recomputes its tokens (prompt and outputs so far) when readmitted.
         """
         self.running.remove(request)
+        self.in_flight.discard(request.request_id)  # a failed step's request, to retry
         self._release_images(request)
         request.num_draft_computed = 0  # the draft's K/V is neither swapped nor kept
         swap = self.config.preemption_mode == "swap" and not recompute

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
@@ -103,6 +104,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # Objects with record(IterationStats), called after each step and abort (metrics).
         self.stat_loggers: list = []
+        # Pipeline parallel: as many steps in flight as stages, so none sits idle; each
+        # [scheduler output, its outcome once taken early (see _collect_oldest)].
+        self._pipeline_depth = self.parallel_config.pipeline_parallel_size
+        self._steps_in_flight: deque[list] = deque()
         self._num_failed_steps = 0  # consecutive steps where a request failed on its own
         self._loras_to_remove: set[int] = set()  # removed while requests still used them
         logger.info(
@@ -180,13 +185,63 @@ class LLMEngine:
         "error", its blocks freed) and the others go on. Raises EngineDeadError if
         the failure cannot be pinned on requests (every request of the step fails).
         """
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = None
+        if self._pipeline_depth == 1:
+            scheduler_output = self.scheduler.schedule()
+        elif len(self._steps_in_flight) < self._pipeline_depth:
+            # Each step in flight takes its share of the requests, so that every
+            # stage has one to work on.
+            share = -(-len(self.scheduler.requests) // self._pipeline_depth)
+            scheduler_output = self.scheduler.schedule(max_requests=max(1, share))
         outputs = self._fail_grammars() if self.scheduler.grammar_failures else []
-        if scheduler_output.is_empty:
+        if scheduler_output is not None and not scheduler_output.is_empty:
+            self.model_runner.move_blocks(scheduler_output)
+            if self._pipeline_depth == 1:
+                runner_output, failures = self._execute(scheduler_output)
+                return outputs + self._update(scheduler_output, runner_output, failures)
+            self.model_runner.submit(scheduler_output)
+            self._steps_in_flight.append([scheduler_output, None])
+            if len(self._steps_in_flight) < self._pipeline_depth:
+                return outputs  # the first stage starts on the next step meanwhile
+        if not self._steps_in_flight:
             self.scheduler.wait_for_grammars(timeout=0.05)  # rather than spin
             return outputs
-        self.model_runner.move_blocks(scheduler_output)
-        runner_output, failures = self._execute(scheduler_output)
+        return outputs + self._update(*self._collect_oldest())
+
+    def _collect_oldest(self) -> tuple[SchedulerOutput, ModelRunnerOutput, dict]:
+        """Pipeline parallel: the oldest step in flight, its output and failures. If it
+        failed, the later steps' outcomes are taken first (they are held), so that
+        the retries that find the failing requests run alone."""
+        sched, outcome = self._steps_in_flight.popleft()
+        if outcome is None:
+            outcome = self._receive()
+
+        def first(_: SchedulerOutput) -> ModelRunnerOutput:
+            if isinstance(outcome, BaseException):
+                for entry in self._steps_in_flight:
+                    if entry[1] is None:
+                        entry[1] = self._receive()
+                raise outcome
+            return outcome
+
+        return sched, *self._execute(sched, first)
+
+    def _receive(self) -> ModelRunnerOutput | Exception:
+        try:
+            return self.model_runner.collect()
+        except EngineDeadError:
+            raise
+        except Exception as e:  # the step's error, to be pinned on its requests
+            return e
+
+    def _update(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        failures: dict[str, BaseException],
+    ) -> list[RequestOutput]:
+        """A step's results into the scheduler and the requests' outputs."""
+        outputs = []
         now = time.monotonic()
         if failures:
             scheduler_output, failed_outputs = self._fail(scheduler_output, failures, now)
@@ -203,12 +258,15 @@ class LLMEngine:
         return outputs + progressed
 
     def _execute(
-        self, sched: SchedulerOutput
+        self,
+        sched: SchedulerOutput,
+        first: Callable[[SchedulerOutput], ModelRunnerOutput] | None = None,
     ) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
-        """Run the step; if it raises, run halves of it again (recursively) to find the
-        requests that fail on their own. Returns (merged output, child id -> error)."""
+        """Run the step (`first`: how, if not `execute_model`); if it raises, run halves of
+        it again (recursively) to find the requests that fail on their own. Returns
+        (merged output, child id -> error)."""
         try:
-            output = self.model_runner.execute_model(sched)
+            output = (first or self.model_runner.execute_model)(sched)
             self._num_failed_steps = 0
             return output, {}
         except EngineDeadError:  # a worker process died: no request is to blame
@@ -278,6 +336,12 @@ class LLMEngine:
             for s in sched.scheduled
             if s.request_id not in ended and suspect.intersection(s.block_ids)
         }
+        for entry in self._steps_in_flight:  # later steps may have found them cached too
+            later = {s.request_id for s in entry[0].scheduled if suspect.intersection(s.block_ids)}
+            if later:
+                kept = [s for s in entry[0].scheduled if s.request_id not in later]
+                entry[0] = replace(entry[0], scheduled=kept)
+                retry |= later
         self.scheduler.recompute_requests(retry)
         outputs, stats = op.fail_requests(
             {
