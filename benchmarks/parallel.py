@@ -7,7 +7,8 @@ Offline, `batch` requests of a 64-token prompt and `output-len` tokens each
 
 - TP=1 on all cores (the C++ decode loop: the default engine);
 - TP=1 on all cores with --enforce-eager (the Python model, as the split runs it);
-- TP=2, PP=2: two workers, one core each (gloo between them).
+- TP=2, PP=2: two workers, one core each (gloo between them); PP=2 also with one
+  step in flight instead of two, to show what keeping both stages busy buys.
 
 Reported: output tok/s and ms per decode step for each, and the all-reduce itself
 (two gloo processes, one core each, a [batch, hidden] tensor in the model's dtype),
@@ -24,10 +25,14 @@ import tempfile
 import time
 
 
-def run_engine(model: str, batch: int, output_len: int, **kwargs) -> dict:
+def run_engine(
+    model: str, batch: int, output_len: int, steps_in_flight: int | None = None, **kwargs
+) -> dict:
     from pagoda import LLM, SamplingParams
 
     llm = LLM(model, **kwargs)
+    if steps_in_flight is not None:  # the engine keeps pp steps in flight; fewer to compare
+        llm.llm_engine._pipeline_depth = steps_in_flight
     try:
         prompts = [
             {"prompt_token_ids": [1000 + 7 * i + j for j in range(64)]} for i in range(batch)
@@ -55,39 +60,41 @@ def _all_reduce_worker(rank: int, store: str, rows: int, hidden: int, dtype: str
     import torch
     import torch.distributed as dist
 
+    from pagoda.distributed import ParallelContext
+
     os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[rank % os.cpu_count()]])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    context = ParallelContext.init(2, 1, rank, os.path.dirname(store))
     x = torch.randn(rows, hidden).to(getattr(torch, dtype))
-    for _ in range(50):
-        dist.all_reduce(x)
     n = 2000
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        dist.all_reduce(x)
-    elapsed = (time.perf_counter() - start) / n
+
+    def timed(fn) -> float:
+        for _ in range(50):
+            fn()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) / n
+
+    gloo = timed(lambda: dist.all_reduce(x))
+    shm = timed(lambda: context.all_reduce(x))  # what the engine runs
     send = torch.empty_like(x)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(n):  # a stage's hand-off: send to the next, the next receives
-        if rank == 0:
-            dist.send(send, 1)
-        else:
-            dist.recv(send, 0)
-    sent = (time.perf_counter() - start) / n
+    sent = timed(lambda: dist.send(send, 1) if rank == 0 else dist.recv(send, 0))
     if rank == 0:
-        out.put((elapsed, sent))
+        out.put((gloo, shm, sent))
     dist.destroy_process_group()
 
 
-def time_collectives(rows: int, hidden: int, dtype: str) -> tuple[float, float]:
-    """Seconds per all-reduce and per send of a [rows, hidden] tensor, two processes."""
+def time_collectives(rows: int, hidden: int, dtype: str) -> tuple[float, float, float]:
+    """Seconds per all-reduce of a [rows, hidden] tensor, two processes (gloo, and the
+    engine's shared-memory path) and per send from one stage to the next."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
             ctx.Process(target=_all_reduce_worker, args=(r, store, rows, hidden, dtype, out))
@@ -118,6 +125,7 @@ def main() -> None:
         f"TP=1 eager ({cores} cores)": dict(num_threads=cores, enforce_eager=True),
         "TP=2 (1 core each)": dict(tensor_parallel_size=2),
         "PP=2 (1 core each)": dict(pipeline_parallel_size=2),
+        "PP=2, 1 step in flight": dict(pipeline_parallel_size=2, steps_in_flight=1),
     }
     results = {}
     for name, kwargs in runs.items():
@@ -125,12 +133,13 @@ def main() -> None:
         print(f"{name:28s} {results[name]['output_tok_s']:8.1f} tok/s "
               f"{results[name]['ms_per_step']:7.2f} ms/step", flush=True)  # fmt: skip
     first = next(iter(results.values()))
-    all_reduce_s, send_s = time_collectives(args.batch, first["hidden"], first["dtype"])
+    gloo_s, shm_s, send_s = time_collectives(args.batch, first["hidden"], first["dtype"])
     per_step = 2 * first["layers"] + 1
     print(
-        f"all-reduce of [{args.batch}, {first['hidden']}] {first['dtype']}: "
-        f"{all_reduce_s * 1e6:.1f} us; x{per_step} per decode step = "
-        f"{all_reduce_s * per_step * 1e3:.2f} ms; a stage's send: {send_s * 1e6:.1f} us"
+        f"all-reduce of [{args.batch}, {first['hidden']}] {first['dtype']}: gloo "
+        f"{gloo_s * 1e6:.1f} us, shared memory {shm_s * 1e6:.1f} us; x{per_step} per decode "
+        f"step = {gloo_s * per_step * 1e3:.2f} / {shm_s * per_step * 1e3:.2f} ms; "
+        f"a stage's send: {send_s * 1e6:.1f} us"
     )
     report = {
         "model": model,
@@ -139,7 +148,8 @@ def main() -> None:
         "batch": args.batch,
         "output_len": args.output_len,
         "runs": results,
-        "all_reduce_us": all_reduce_s * 1e6,
+        "all_reduce_gloo_us": gloo_s * 1e6,
+        "all_reduce_shm_us": shm_s * 1e6,
         "all_reduces_per_step": per_step,
         "send_us": send_s * 1e6,
     }

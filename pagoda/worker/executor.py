@@ -52,7 +52,9 @@ class MultiprocExecutor:
         self.parallel = parallel
         world = parallel.world_size
         cores = sorted(os.sched_getaffinity(0))
-        self._store_dir = tempfile.TemporaryDirectory(prefix="pagoda-dist-")
+        # The group's rendezvous file and the shared-memory all-reduce's, in memory.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._store_dir = tempfile.TemporaryDirectory(prefix="pagoda-dist-", dir=shm)
         store = os.path.join(self._store_dir.name, "store")
         self.workers: list[subprocess.Popen] = []
         self.sentinels: list[int] = []  # pidfds: readable once the worker has exited
@@ -217,7 +219,10 @@ def _worker_main(fd: int) -> None:
             timeout=timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
         )
         context = ParallelContext.init(
-            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            rank,
+            os.path.dirname(store),
         )
         runner = ModelRunner(model_config, cache_config, None, draft_model_config, parallel=context)
         _reply(
