@@ -69,7 +69,8 @@ class SchedulerConfig:
     max_loras: int | None = None
 
 
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp",)  # worker processes on this machine
+# Worker processes on this machine, or Ray actors on any host of a Ray cluster.
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)

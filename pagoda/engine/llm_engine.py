@@ -45,11 +45,22 @@ class LLMEngine:
         draft_model_config = engine_args.create_draft_model_config(model_config)
         self.parallel_config = engine_args.create_parallel_config()
         if self.parallel_config.world_size > 1:  # the model split across worker processes
-            from pagoda.worker.executor import MultiprocExecutor
+            if self.parallel_config.distributed_executor_backend == "ray":
+                from pagoda.worker.ray_executor import RayExecutor
 
-            self.model_runner = MultiprocExecutor(
-                model_config, cache_config, draft_model_config, self.parallel_config
-            )
+                self.model_runner = RayExecutor(
+                    model_config,
+                    cache_config,
+                    draft_model_config,
+                    self.parallel_config,
+                    engine_args.num_threads,
+                )
+            else:
+                from pagoda.worker.executor import MultiprocExecutor
+
+                self.model_runner = MultiprocExecutor(
+                    model_config, cache_config, draft_model_config, self.parallel_config
+                )
         else:
             self.model_runner = ModelRunner(
                 model_config, cache_config, self.lora_config, draft_model_config

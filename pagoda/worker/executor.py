@@ -1,5 +1,8 @@
-"""`MultiprocExecutor`: the engine's model runner when the model is split across worker
-processes (tensor and pipeline parallel, `--distributed-executor-backend mp`).
+"""Executors: the engine's model runner when the model is split across worker
+processes (tensor and pipeline parallel). `MultiprocExecutor` spawns them on this
+machine (`--distributed-executor-backend mp`); `RayExecutor` (ray_executor.py)
+places them as Ray actors, on any host of a Ray cluster (`ray`). Both drive the same
+`Worker`s.
 
 The engine keeps one scheduler and one block manager; one block table serves every
 shard, as in vLLM. Each step the executor sends the `SchedulerOutput` to every worker
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import uuid
 from multiprocessing import connection
 from typing import Any
 
@@ -37,10 +41,102 @@ logger = logging.getLogger(__name__)
 _COLLECTIVE_TIMEOUT_S = int(os.environ.get("PAGODA_DISTRIBUTED_TIMEOUT_S", "300"))
 
 
-class MultiprocExecutor:
-    """The `ModelRunner` surface the engine uses, over `parallel.world_size` workers."""
+class Worker:
+    """One rank: its place in the groups and its `ModelRunner` over its shard."""
+
+    def __init__(
+        self,
+        rank: int,
+        parallel: ParallelConfig,
+        init_method: str,
+        shm_dir: str | None,
+        num_threads: int,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        draft_model_config: ModelConfig | None,
+    ) -> None:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from pagoda.distributed import ParallelContext
+        from pagoda.worker.model_runner import ModelRunner
+
+        torch.set_num_threads(num_threads)
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=parallel.world_size,
+            timeout=timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
+        )
+        self.rank = rank
+        if shm_dir is not None:  # on this host: the TP groups' all-reduce files
+            os.makedirs(shm_dir, exist_ok=True)
+        self.context = ParallelContext.init(
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank, shm_dir
+        )
+        dist.barrier()  # every group is built and its file unlinked
+        if shm_dir is not None and rank == 0:
+            os.rmdir(shm_dir)
+        self.runner = ModelRunner(
+            model_config, cache_config, None, draft_model_config, parallel=self.context
+        )
+
+    def info(self) -> dict[str, Any]:
+        """What the engine reads off its runner (the same on every rank)."""
+        runner = self.runner
+        return {
+            "num_blocks": runner.num_blocks,
+            "num_host_blocks": runner.num_host_blocks,
+            "kv_cache_dtype_name": runner.kv_cache_dtype_name,
+            "vocab_size": runner.vocab_size,
+            "bytes_per_block": self.context.sum_over_workers(runner.bytes_per_block),
+        }
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output on the driver; None on the other ranks."""
+        output = self.runner.execute_model(sched)
+        return output if self.context.is_driver else None
+
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        self.runner.move_blocks(sched)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+class Executor:
+    """The `ModelRunner` surface the engine uses, over `parallel.world_size` workers:
+    `submit` a step, `collect` the oldest one's output (the driver's), `move_blocks`
+    before a step; the KV cache's size as the workers found it."""
 
     lora_manager = None  # LoRA is not split across workers (EngineArgs refuses it)
+    decode_loop_max_rows = 0  # the C++ decode loop runs no collectives
+
+    def _set_info(self, info: dict[str, Any]) -> None:
+        self.num_blocks = info["num_blocks"]
+        self.num_host_blocks = info["num_host_blocks"]
+        self.kv_cache_dtype_name = info["kv_cache_dtype_name"]
+        self.vocab_size = info["vocab_size"]
+        self.bytes_per_block = info["bytes_per_block"]  # all shards of one block
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.collect()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        raise NotImplementedError
+
+    def collect(self) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+
+class MultiprocExecutor(Executor):
+    """Workers as processes of this machine, each pinned to its share of the cores."""
 
     def __init__(
         self,
@@ -52,10 +148,9 @@ class MultiprocExecutor:
         self.parallel = parallel
         world = parallel.world_size
         cores = sorted(os.sched_getaffinity(0))
-        # The group's rendezvous file and the shared-memory all-reduce's, in memory.
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self._store_dir = tempfile.TemporaryDirectory(prefix="pagoda-dist-", dir=shm)
-        store = os.path.join(self._store_dir.name, "store")
+        self._store_dir = tempfile.TemporaryDirectory(prefix="pagoda-dist-")
+        store = os.path.join(self._store_dir.name, "store")  # the group's rendezvous
+        shm_dir = f"/dev/shm/pagoda-{uuid.uuid4().hex}" if os.path.isdir("/dev/shm") else None
         self.workers: list[subprocess.Popen] = []
         self.sentinels: list[int] = []  # pidfds: readable once the worker has exited
         self.conns: list[connection.Connection] = []
@@ -76,26 +171,16 @@ class MultiprocExecutor:
             self.workers.append(proc)
             self.sentinels.append(os.pidfd_open(proc.pid))
             self.conns.append(conn)
-            setup = (rank, parallel, share, store, os.getpid())
+            setup = (rank, parallel, share, store, shm_dir, os.getpid())
             configs = (model_config, cache_config, draft_model_config)
             conn.send_bytes(pickle.dumps((setup, configs), protocol=pickle.HIGHEST_PROTOCOL))
             logger.info("worker %d: pid %d on cores %s", rank, proc.pid, share)
         self.driver = world - parallel.tensor_parallel_size  # rank 0 of the last stage
         try:
-            info = self._gather()[self.driver]
+            self._set_info(self._gather()[self.driver])
         except BaseException:
             self.shutdown()
             raise
-        self.num_blocks = info["num_blocks"]
-        self.num_host_blocks = info["num_host_blocks"]
-        self.kv_cache_dtype_name = info["kv_cache_dtype_name"]
-        self.vocab_size = info["vocab_size"]
-        self.bytes_per_block = info["bytes_per_block"]  # all shards of one block
-        self.decode_loop_max_rows = 0
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(sched)
-        return self.collect()
 
     def submit(self, sched: SchedulerOutput) -> None:
         """Start a step; `collect` returns its output. Steps submitted before are
@@ -156,21 +241,21 @@ class MultiprocExecutor:
             code = proc.wait(1.0)
         except subprocess.TimeoutExpired:
             code = None
-        self.shutdown()
+        self.shutdown(grace_s=0)  # the others may wait on it in a collective
         return EngineDeadError(
             f"worker {rank} (pid {proc.pid}) died (exit code {code}); the model is split "
             "across workers, so the engine cannot go on."
         )
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 10.0) -> None:
         """Close the pipes (each worker exits when its pipe closes), then wait for the
-        workers; one that does not exit in time is killed."""
+        workers; one that does not exit in `grace_s` is killed."""
         for conn in self.conns:
             conn.close()
         self.conns = []
         for proc in self.workers:
             try:
-                proc.wait(10.0)
+                proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -189,7 +274,6 @@ def _worker_main(fd: int) -> None:
     engine's end of the pipe closes."""
     import ctypes
     import signal
-    from datetime import timedelta
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle
@@ -198,44 +282,22 @@ def _worker_main(fd: int) -> None:
         setup, (model_config, cache_config, draft_model_config) = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return
-    rank, parallel, cores, store, engine_pid = setup
+    rank, parallel, cores, store, shm_dir, engine_pid = setup
     if os.getppid() != engine_pid:  # the engine died before prctl
         return
     os.sched_setaffinity(0, cores)
-
-    import torch
-    import torch.distributed as dist
-
-    from pagoda.distributed import ParallelContext
-    from pagoda.worker.model_runner import ModelRunner
-
-    torch.set_num_threads(len(cores))
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=parallel.world_size,
-            timeout=timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
-        )
-        context = ParallelContext.init(
-            parallel.tensor_parallel_size,
-            parallel.pipeline_parallel_size,
+        worker = Worker(
             rank,
-            os.path.dirname(store),
+            parallel,
+            f"file://{store}",
+            shm_dir,
+            len(cores),
+            model_config,
+            cache_config,
+            draft_model_config,
         )
-        runner = ModelRunner(model_config, cache_config, None, draft_model_config, parallel=context)
-        _reply(
-            conn,
-            True,
-            {
-                "num_blocks": runner.num_blocks,
-                "num_host_blocks": runner.num_host_blocks,
-                "kv_cache_dtype_name": runner.kv_cache_dtype_name,
-                "vocab_size": runner.vocab_size,
-                "bytes_per_block": context.sum_over_workers(runner.bytes_per_block),
-            },
-        )
+        _reply(conn, True, worker.info())
     except BaseException as e:
         _reply(conn, False, e)
         return
@@ -246,17 +308,16 @@ def _worker_main(fd: int) -> None:
             break
         if method == "move_blocks":
             try:
-                runner.move_blocks(sched)
+                worker.move_blocks(sched)
             except BaseException:  # the KV cache is not what the scheduler thinks
                 logger.exception("worker %d: moving blocks failed", rank)
                 os._exit(1)
             continue
         try:
-            result = runner.execute_model(sched)
-            _reply(conn, True, result if context.is_driver else None)
+            _reply(conn, True, worker.execute_model(sched))
         except Exception as e:
             _reply(conn, False, e)
-    dist.destroy_process_group()
+    worker.close()
 
 
 def _reply(conn: connection.Connection, ok: bool, value: Any) -> None:
