@@ -192,7 +192,8 @@ def test_worker_death_stops_the_engine(models):
             tensor_parallel_size=2,
         )
     )  # fmt: skip
-    workers = _workers(os.getpid())
+    # This engine's workers (pytest may hold other children, e.g. Ray's).
+    workers = [psutil.Process(p.pid) for p in engine.model_runner.workers]
     assert len(workers) == 2
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=50))
     engine.step()
