@@ -8,6 +8,7 @@ prefix-cache hit and a decode token are the same arithmetic.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Iterable
 
@@ -174,8 +175,8 @@ class Scheduler:
         """The next step. `max_requests`: at most this many requests in it (pipeline
         parallel splits the requests over the steps it keeps in flight)."""
         kv = self.kv_cache_manager
-        if max_requests is None:
-            max_requests = self.config.max_num_seqs
+        if max_requests is None:  # no cap: forks may run more than max_num_seqs
+            max_requests = sys.maxsize
         budget = self.config.max_num_batched_tokens
         self.encoder_budget = budget
         scheduled: list[ScheduledRequest] = []
