@@ -103,7 +103,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status.finished:
                 continue
-            self.in_flight.discard(request_id)  # its step's output, if any, is ignored
+            # Its step in flight, if any, stays so until its output comes back (and is
+            # ignored): the id is not free for a new request until then.
+            self.newly_scheduled.pop(request_id, None)
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request in self.waiting:
@@ -323,7 +325,7 @@ class Scheduler:
         for item in scheduler_output.scheduled:
             self.in_flight.discard(item.request_id)
             request = self.requests.get(item.request_id)
-            if request is None:  # aborted while its step was in flight
+            if request is None:  # finished (aborted) while its step was in flight
                 continue
             start = request.num_computed_tokens
             token_ids = sampled.get(item.request_id)

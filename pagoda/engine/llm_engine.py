@@ -166,8 +166,15 @@ class LLMEngine:
         """Queue a request that `processor.process` has already checked (the async engine
         runs the Processor on its own thread, then hands the result here)."""
         # The children's ids ("<id>#<i>") must be free too: "x" with n=2 would take "x#1".
+        # An aborted request's id stays taken while a step of it is in flight (pipeline
+        # parallel): that step's output must not reach a new request of the same id.
+        scheduler = self.scheduler
         for rid in (request_id, *(c.request_id for c in children)):
-            if rid in self.output_processor or rid in self.scheduler.requests:
+            if (
+                rid in self.output_processor
+                or rid in scheduler.requests
+                or rid in scheduler.in_flight
+            ):
                 raise InvalidRequestError(f"request_id {rid!r} is already in use.", "request_id")
         lora = children[0].lora_request
         if lora is not None:
@@ -205,8 +212,9 @@ class LLMEngine:
             share = -(-len(self.scheduler.requests) // self._pipeline_depth)
             scheduler_output = self.scheduler.schedule(max_requests=max(1, share))
         outputs = self._fail_grammars() if self.scheduler.grammar_failures else []
-        if scheduler_output is not None and not scheduler_output.is_empty:
+        if scheduler_output is not None:  # a step that only swaps out must swap too
             self.model_runner.move_blocks(scheduler_output)
+        if scheduler_output is not None and not scheduler_output.is_empty:
             if self._pipeline_depth == 1:
                 runner_output, failures = self._execute(scheduler_output)
                 return outputs + self._update(scheduler_output, runner_output, failures)
@@ -293,28 +301,34 @@ class LLMEngine:
         results: list[ModelRunnerOutput] = []
         failures: dict[str, BaseException] = {}
 
-        def bisect(part: list) -> None:
-            """`part` failed as a whole: run each half; a lone request that fails owns its error."""
-            for half in (part[: len(part) // 2], part[len(part) // 2 :]):
+        def run(part: list, known_to_fail: bool) -> None:
+            """Run `part` (again); if it fails, each half: a lone request that fails owns
+            its error."""
+            if not known_to_fail:
                 try:
-                    results.append(self.model_runner.execute_model(replace(sched, scheduled=half)))
+                    results.append(self.model_runner.execute_model(replace(sched, scheduled=part)))
+                    return
                 except EngineDeadError:
                     raise
                 except Exception as e:
-                    if len(half) == 1:
-                        failures[half[0].request_id] = e
-                    else:
-                        bisect(half)
+                    if len(part) == 1:
+                        failures[part[0].request_id] = e
+                        return
+            for half in (part[: len(part) // 2], part[len(part) // 2 :]):
+                run(half, False)
 
-        if len(sched.scheduled) == 1:
-            failures[sched.scheduled[0].request_id] = first_error
-        else:
-            bisect(sched.scheduled)
+        # A request aborted while this step was in flight (pipeline parallel) is not run
+        # again: its blocks may be another request's by now.
+        live = [s for s in sched.scheduled if s.request_id in self.scheduler.requests]
+        if len(live) == len(sched.scheduled) == 1:
+            failures[live[0].request_id] = first_error
+        elif live:
+            run(live, known_to_fail=len(live) == len(sched.scheduled))
         # Decide by user requests, not completions: one request with n = 4 whose sampling
         # fails is one request failing alone.
         op = self.output_processor
         failed = {op.parent_id(cid) for cid in failures}
-        scheduled = {op.parent_id(s.request_id) for s in sched.scheduled}
+        scheduled = {op.parent_id(s.request_id) for s in live}
         real_failures = [e for e in failures.values() if not isinstance(e, InvalidRequestError)]
         self._num_failed_steps = self._num_failed_steps + 1 if real_failures else 0
         # Requests that all failed by their own input (say, the same unreadable adapter)

@@ -22,10 +22,13 @@ import contextlib
 import logging
 import os
 import pickle
+import queue
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 import uuid
 from multiprocessing import connection
@@ -96,9 +99,22 @@ class Worker:
         }
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
-        """The step's output on the driver; None on the other ranks."""
-        output = self.runner.execute_model(sched)
-        return output if self.context.is_driver else None
+        """The step's output on the driver; None on the other ranks.
+
+        An error in the forward or the logits gathers may come on one rank while its
+        peers wait in a collective (or have moved past one it never reached): the ranks
+        are out of step for good, so it is raised as `EngineDeadError` and the executor
+        stops every worker at once. An error in sampling, after the last collective,
+        is the step's requests' own (the engine isolates them)."""
+        try:
+            step = self.runner.forward_step(sched)
+        except Exception as e:
+            text = "".join(traceback.format_exception(e))
+            raise EngineDeadError(
+                f"worker {self.rank}: a step failed between collectives, so the workers "
+                f"are out of step: {text}"
+            ) from e
+        return self.runner.sample_step(step) if self.context.is_driver else None
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         self.runner.move_blocks(sched)
@@ -148,38 +164,44 @@ class MultiprocExecutor(Executor):
         self.parallel = parallel
         world = parallel.world_size
         cores = sorted(os.sched_getaffinity(0))
+        # Every rank runs as many threads as the smallest share has cores: work that
+        # each rank repeats (a replicated draft model, MoE experts) must give every
+        # rank the same bits, and a kernel's sums can depend on its thread count.
+        num_threads = max(1, len(cores) // world)
         self._store_dir = tempfile.TemporaryDirectory(prefix="pagoda-dist-")
         store = os.path.join(self._store_dir.name, "store")  # the group's rendezvous
-        shm_dir = f"/dev/shm/pagoda-{uuid.uuid4().hex}" if os.path.isdir("/dev/shm") else None
+        self._shm_dir = f"/dev/shm/pagoda-{uuid.uuid4().hex}" if os.path.isdir("/dev/shm") else None
         self.workers: list[subprocess.Popen] = []
         self.sentinels: list[int] = []  # pidfds: readable once the worker has exited
         self.conns: list[connection.Connection] = []
-        for rank in range(world):
-            # Each rank its own share of the cores; more ranks than cores share them.
-            share = cores[rank * len(cores) // world : (rank + 1) * len(cores) // world] or [
-                cores[rank % len(cores)]
-            ]
-            ours, theirs = socket.socketpair()
-            # A fresh interpreter running this module (not multiprocessing's spawn,
-            # which imports the caller's __main__ again: scripts without a main guard).
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pagoda.worker.executor", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-            )
-            theirs.close()
-            conn = connection.Connection(ours.detach())
-            self.workers.append(proc)
-            self.sentinels.append(os.pidfd_open(proc.pid))
-            self.conns.append(conn)
-            setup = (rank, parallel, share, store, shm_dir, os.getpid())
-            configs = (model_config, cache_config, draft_model_config)
-            conn.send_bytes(pickle.dumps((setup, configs), protocol=pickle.HIGHEST_PROTOCOL))
-            logger.info("worker %d: pid %d on cores %s", rank, proc.pid, share)
         self.driver = world - parallel.tensor_parallel_size  # rank 0 of the last stage
         try:
-            self._set_info(self._gather()[self.driver])
+            for rank in range(world):
+                # Each rank its own share of the cores; more ranks than cores share them.
+                share = cores[rank * len(cores) // world : (rank + 1) * len(cores) // world]
+                share = share or [cores[rank % len(cores)]]
+                ours, theirs = socket.socketpair()
+                # A fresh interpreter running this module (not multiprocessing's spawn,
+                # which imports the caller's __main__ again: scripts without a main guard).
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "pagoda.worker.executor", str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),),
+                )
+                theirs.close()
+                self.workers.append(proc)
+                self.sentinels.append(os.pidfd_open(proc.pid))
+                self.conns.append(connection.Connection(ours.detach()))
+                setup = (rank, parallel, share, num_threads, store, self._shm_dir, os.getpid())
+                configs = (model_config, cache_config, draft_model_config)
+                self.conns[-1].send_bytes(
+                    pickle.dumps((setup, configs), protocol=pickle.HIGHEST_PROTOCOL)
+                )
+                logger.info("worker %d: pid %d on cores %s", rank, proc.pid, share)
+            # A rank that fails to start leaves its peers waiting in a collective: the
+            # first error stops them all.
+            self._set_info(self._gather(fail_fast=True)[self.driver])
         except BaseException:
-            self.shutdown()
+            self.shutdown(grace_s=0)
             raise
 
     def submit(self, sched: SchedulerOutput) -> None:
@@ -206,9 +228,12 @@ class MultiprocExecutor(Executor):
             except OSError as e:
                 raise self._dead(rank) from e
 
-    def _gather(self) -> list[Any]:
+    def _gather(self, fail_fast: bool = False) -> list[Any]:
         """Every worker's answer to the last message; the first error any raised is
-        raised here (all of them answer first, so the next message finds them in step)."""
+        raised here (all of them answer first, so the next message finds them in step).
+        An `EngineDeadError` from a worker (its step failed between collectives), or
+        with `fail_fast` any error, stops every worker at once instead: the others may
+        be waiting for it in a collective."""
         results: list[Any] = [None] * len(self.conns)
         errors: list[BaseException] = []
         waiting = dict(enumerate(self.conns))
@@ -229,6 +254,9 @@ class MultiprocExecutor(Executor):
                 del waiting[rank]
                 if ok:
                     results[rank] = value
+                elif fail_fast or isinstance(value, EngineDeadError):
+                    self.shutdown(grace_s=0)
+                    raise value
                 else:
                     errors.append(value)
         if errors:
@@ -263,6 +291,8 @@ class MultiprocExecutor(Executor):
             os.close(fd)
         self.workers, self.sentinels = [], []
         self._store_dir.cleanup()
+        if self._shm_dir is not None:  # left behind when a start failed half way
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
 
     def __del__(self) -> None:
         if getattr(self, "workers", None):
@@ -282,7 +312,7 @@ def _worker_main(fd: int) -> None:
         setup, (model_config, cache_config, draft_model_config) = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return
-    rank, parallel, cores, store, shm_dir, engine_pid = setup
+    rank, parallel, cores, num_threads, store, shm_dir, engine_pid = setup
     if os.getppid() != engine_pid:  # the engine died before prctl
         return
     os.sched_setaffinity(0, cores)
@@ -292,7 +322,7 @@ def _worker_main(fd: int) -> None:
             parallel,
             f"file://{store}",
             shm_dir,
-            len(cores),
+            num_threads,
             model_config,
             cache_config,
             draft_model_config,
@@ -301,11 +331,9 @@ def _worker_main(fd: int) -> None:
     except BaseException as e:
         _reply(conn, False, e)
         return
-    while True:
-        try:
-            method, sched = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):  # the engine is gone or done
-            break
+    inbox = _read_messages(conn)
+    while (message := inbox.get()) is not None:  # None: the engine is gone or done
+        method, sched = pickle.loads(message)
         if method == "move_blocks":
             try:
                 worker.move_blocks(sched)
@@ -318,6 +346,25 @@ def _worker_main(fd: int) -> None:
         except Exception as e:
             _reply(conn, False, e)
     worker.close()
+
+
+def _read_messages(conn: connection.Connection) -> queue.SimpleQueue:
+    """The engine's messages, read as they come by a thread of their own (None once the
+    pipe closes). With pipeline parallel the engine sends the next step while the
+    driver may still be writing a large answer to the last: if each waited for the
+    other to read, both would block for good."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(conn.recv_bytes())
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+
+    threading.Thread(target=read, name="pagoda-worker-inbox", daemon=True).start()
+    return inbox
 
 
 def _reply(conn: connection.Connection, ok: bool, value: Any) -> None:

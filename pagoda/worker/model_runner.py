@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -29,6 +30,16 @@ from pagoda.sample.sampler import SamplingTensors, compute_logprobs, sample
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepLogits:
+    """What the driver samples from, once a step's forward and gathers are done."""
+
+    reqs: list[ScheduledRequest]  # in the runner's order (decodes first), drafts filled in
+    logits: torch.Tensor | None  # [sampled rows, V]: each sampling request's rows in order
+    prompt_logits: dict[str, torch.Tensor]  # request id -> [prompt positions scored, V]
+    grammar_bitmask: Any  # the step's [rows, ceil(V / 32)] int32 array, or None
 
 
 class ModelRunner:
@@ -135,6 +146,16 @@ class ModelRunner:
         """Run the scheduled requests (after `move_blocks`). Each request's result depends
         on its own inputs alone and its K/V writes are idempotent, so the engine may run
         any subset of a step again (how it isolates a request that fails)."""
+        return self.sample_step(self.forward_step(sched))
+
+    @torch.inference_mode()
+    def forward_step(self, sched: SchedulerOutput) -> StepLogits | None:
+        """The part of a step that every rank of a split model runs in step with the
+        others: inputs, the forward and every logits gather, in one fixed order. Returns
+        the logits the driver samples from (None elsewhere, or when nothing samples).
+
+        When the model is split, an error here may leave the ranks out of step in their
+        collectives (see Worker.execute_model); `sample_step` runs no collective."""
         # Decodes (one query token, or one and its drafts) first: attention batches
         # them in one call. Within each, requests of one adapter side by side: its
         # tokens form one segment of the LoRA products.
@@ -142,7 +163,7 @@ class ModelRunner:
             self.encoder_cache.pop(image_hash, None)
         reqs = sorted(sched.scheduled, key=lambda r: (not is_decode(r), r.lora_int_id))
         if not reqs:
-            return ModelRunnerOutput([], [])
+            return None
         if self.drafter is not None:
             reqs = self.drafter.propose(reqs)
         input_ids, positions, meta, cu_q = self._prepare_inputs(reqs)
@@ -157,28 +178,45 @@ class ModelRunner:
         with forward_context(meta, lora):
             hidden = self.model(input_ids, positions, inputs_embeds)  # [T, hidden]
         if hidden is None:  # a pipeline stage before the last: sent on
-            return ModelRunnerOutput([], [])
-        prompt_logprobs = self._prompt_logprobs(reqs, hidden, cu_q)
-        sampling = [(i, r) for i, r in enumerate(reqs) if r.sampling_params is not None]
-        if not sampling:
-            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
-        sampled = [r for _, r in sampling]
+            return None
+        # Prompt logprobs: each chunk position scores the next prompt token.
+        prompt_logits = {}
+        for i, r in enumerate(reqs):
+            if r.prompt_logprob_targets:
+                start = int(cu_q[i])
+                rows = hidden[start : start + len(r.prompt_logprob_targets)]
+                prompt_logits[r.request_id] = self.model.compute_logits(rows)
         # One logits row per sampled position: a request's last token, or with drafts
         # each of its positions (position j samples what follows draft j).
-        rows, row_reqs, grammar_rows, bitmask_rows = [], [], [], []
+        sampling = [(i, r) for i, r in enumerate(reqs) if r.sampling_params is not None]
+        rows = []
         for i, r in sampling:
             end = int(cu_q[i + 1])
-            if r.grammar_row is not None:
-                grammar_rows += range(len(rows), len(rows) + r.num_draft_tokens + 1)
-                bitmask_rows += range(r.grammar_row, r.grammar_row + r.num_draft_tokens + 1)
             rows += range(end - 1 - r.num_draft_tokens, end)
-            row_reqs += _draft_rows(r) if r.num_draft_tokens else [r]
-        logits = self.model.compute_logits(hidden[rows])  # [rows, V], model dtype
-        if logits is None:  # a tensor-parallel rank that is not the driver
+        logits = self.model.compute_logits(hidden[rows]) if rows else None  # [rows, V]
+        if not self.parallel.is_driver:  # it took part in the gathers; the driver samples
+            return None
+        return StepLogits(reqs, logits, prompt_logits, sched.grammar_bitmask)
+
+    def sample_step(self, step: StepLogits | None) -> ModelRunnerOutput:
+        """Tokens (and logprobs) from the step's logits: on the driver only, after every
+        collective, so an error here fails only the requests it belongs to."""
+        if step is None:
             return ModelRunnerOutput([], [])
+        prompt_logprobs = self._prompt_logprobs(step.reqs, step.prompt_logits)
+        sampled = [r for r in step.reqs if r.sampling_params is not None]
+        if not sampled:
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
+        logits = step.logits
+        row_reqs, grammar_rows, bitmask_rows = [], [], []
+        for r in sampled:
+            if r.grammar_row is not None:
+                grammar_rows += range(len(row_reqs), len(row_reqs) + r.num_draft_tokens + 1)
+                bitmask_rows += range(r.grammar_row, r.grammar_row + r.num_draft_tokens + 1)
+            row_reqs += _draft_rows(r) if r.num_draft_tokens else [r]
         st = SamplingTensors.from_requests(row_reqs, self.vocab_size)
         if grammar_rows:
-            st.grammar = (grammar_rows, torch.from_numpy(sched.grammar_bitmask[bitmask_rows]))
+            st.grammar = (grammar_rows, torch.from_numpy(step.grammar_bitmask[bitmask_rows]))
         row_tokens = sample(logits, st, self.generator).tolist()
         row_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in sampled):
@@ -241,24 +279,18 @@ class ModelRunner:
                 ]
         return embeds
 
-    def _prompt_logprobs(
-        self, reqs: list[ScheduledRequest], hidden: torch.Tensor, cu_q: torch.Tensor
-    ):
-        """For requests asking prompt logprobs: each chunk position scores the next prompt token."""
+    def _prompt_logprobs(self, reqs: list[ScheduledRequest], prompt_logits: dict):
+        """For requests asking prompt logprobs: each chunk position's logprob of the next
+        prompt token (and the top ones)."""
         out = {}
-        for i, r in enumerate(reqs):
-            if not r.prompt_logprob_targets:
-                continue
-            start = int(cu_q[i])
-            targets = torch.tensor(r.prompt_logprob_targets)
-            logits = self.model.compute_logits(hidden[start : start + len(targets)])
-            if logits is None:  # not the driver (it took part in the gather)
-                continue
-            logits = logits.float()
-            n = r.prompt_logprobs_n
-            out[r.request_id] = [
-                entry for _, entry in compute_logprobs(logits, targets, [n] * len(targets))
-            ]
+        for r in reqs:
+            if r.request_id in prompt_logits:
+                targets = torch.tensor(r.prompt_logprob_targets)
+                n = r.prompt_logprobs_n
+                logits = prompt_logits[r.request_id].float()
+                out[r.request_id] = [
+                    entry for _, entry in compute_logprobs(logits, targets, [n] * len(targets))
+                ]
         return out or None
 
     def _prepare_inputs(self, reqs: list[ScheduledRequest]):
