@@ -44,6 +44,20 @@ def _free_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
 
+def connect_ray(address: str | None = None):
+    """The `ray` module, connected to the cluster `address` names (default:
+    `RAY_ADDRESS`; neither: a local instance starts). Raises ValueError without ray."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ValueError(
+            "distributed_executor_backend 'ray' needs the ray package (pip install 'pagoda[ray]')."
+        ) from e
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    return ray
+
+
 class RayExecutor(Executor):
     def __init__(
         self,
@@ -53,18 +67,11 @@ class RayExecutor(Executor):
         parallel: ParallelConfig,
         num_threads: int | None = None,
     ) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError as e:
-            raise ValueError(
-                "distributed_executor_backend 'ray' needs the ray package "
-                "(pip install 'pagoda[ray]')."
-            ) from e
+        ray = connect_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         self._ray = ray
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
         world = parallel.world_size
         cpus = num_threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // world)
         self.placement = placement_group([{"CPU": cpus}] * world, strategy="PACK")
@@ -90,8 +97,12 @@ class RayExecutor(Executor):
         if one_host and os.path.isdir("/dev/shm"):
             shm_dir = f"/dev/shm/pagoda-ray-{uuid.uuid4().hex}"
         actor = ray.remote(Worker)
+        # The actors' processes do not inherit this one's environment.
+        env = {k: v for k, v in os.environ.items() if k.startswith("PAGODA_")}
         self.actors = [
-            actor.options(num_cpus=cpus, scheduling_strategy=on(rank)).remote(
+            actor.options(
+                num_cpus=cpus, scheduling_strategy=on(rank), runtime_env={"env_vars": env}
+            ).remote(
                 rank,
                 parallel,
                 f"tcp://{host}:{port}",
@@ -126,7 +137,13 @@ class RayExecutor(Executor):
     def collect(self) -> ModelRunnerOutput:
         calls = self._in_flight.popleft()
         moves, self._moves = self._moves, []
-        self._get(moves)
+        try:
+            self._get(moves)
+        except EngineDeadError:
+            raise
+        except Exception as e:  # the KV cache is not what the scheduler thinks
+            self.shutdown()
+            raise EngineDeadError(f"a Ray worker failed to move blocks: {e!r}") from e
         return self._get(calls)[self.driver]
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
@@ -135,9 +152,10 @@ class RayExecutor(Executor):
 
     def _get(self, refs: list) -> list:
         """Every call's result; a worker's error raised as itself (after all have
-        answered, so the next step finds them in step). A dead actor kills the engine
-        at once: taken in the order they finish, not waiting on a peer that waits for
-        the dead one in a collective."""
+        answered, so the next step finds them in step). A dead actor, or a worker whose
+        step failed between collectives (`EngineDeadError`), stops the engine at once:
+        taken in the order they finish, not waiting on a peer that waits for the dead
+        one in a collective."""
         ray = self._ray
         results: dict[Any, Any] = {}
         error = None
@@ -153,8 +171,12 @@ class RayExecutor(Executor):
                     "engine cannot go on."
                 ) from e
             except ray.exceptions.RayTaskError as e:
+                cause = e.cause if e.cause is not None else e
+                if isinstance(cause, EngineDeadError):  # out of step: peers may wait
+                    self.shutdown()
+                    raise cause from None
                 results[ready[0]] = None
-                error = error or (e.cause if e.cause is not None else e)
+                error = error or cause
         if error is not None:
             raise error
         return [results[ref] for ref in refs]
