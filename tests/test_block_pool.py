@@ -208,3 +208,42 @@ def test_reset_prefix_cache():
     # The free queue (and so the eviction order) is untouched.
     assert free_ids(pool) == [2, 1, 0]
     assert pool.ref_cnts == [0, 0, 0]
+
+
+def test_kv_events_follow_the_cache_exactly():
+    """A listener that applies the snapshot and then every batch knows exactly the
+    hashes the cache can find, whatever the pool did between batches (random
+    allocations, frees, hits, duplicate hashes, doubts, resets)."""
+    import random
+
+    rng = random.Random(0)
+    pool = BlockPool(16)
+    assert pool.take_kv_events() is None  # nobody listens: nothing is recorded
+    pool.cache_full_block(pool.get_new_blocks(1)[0], b"early")
+    held: set[bytes] = set()
+    pool.start_kv_events().apply(held)
+    assert held == {b"early"}
+    used: list[int] = []
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.35 and pool.num_free_blocks:
+            used += pool.get_new_blocks(1)  # evicts the block's old hash, if any
+        elif op < 0.55 and used:
+            block = rng.choice(used)
+            pool.cache_full_block(block, bytes([rng.randrange(24)]))  # duplicates too
+        elif op < 0.8 and used:
+            pool.free_blocks([used.pop(rng.randrange(len(used)))])
+        elif op < 0.9:
+            hit = pool.get_cached_block(bytes([rng.randrange(24)]))
+            if hit is not None:
+                pool.touch([hit])
+                used.append(hit)
+        elif op < 0.97 and used:
+            pool.forget_hash(rng.choice(used))
+        elif not used:
+            pool.reset_prefix_cache()
+        if step % 7 == 0:
+            pool.take_kv_events().apply(held)
+            assert held == set(pool.cached_blocks)
+    pool.stop_kv_events()
+    assert pool.take_kv_events() is None

@@ -18,7 +18,8 @@ KV_BYTES = 40 * 2 * 2 * 16 * 2 * 16 * 4  # 40 blocks of the tiny llama's K/V (fl
 @pytest.fixture(scope="module")
 def cluster():
     # Four logical CPUs on this machine's cores: room for TP=2 x PP=2, one CPU each.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # "local": a new instance, not one a `ray start` on this host (or its leftovers) named.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -18,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from pagoda.entrypoints.router import PrefixTable, Router
+from pagoda.entrypoints.prefix_table import PrefixTable
+from pagoda.entrypoints.router import Router
 from tests.test_server_utils import ROOT, RemoteServer, free_port
 
 # ---- the policy alone --------------------------------------------------------------------
@@ -105,7 +106,9 @@ def test_prefix_table_is_bounded_and_chained():
 class RemoteRouter(RemoteServer):
     """`pagoda router --backend ...` in a subprocess, waited for as a server is."""
 
-    def __init__(self, backends: list[str], model: str, *args: str) -> None:
+    def __init__(
+        self, backends: list[str], model: str, *args: str, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
@@ -113,7 +116,13 @@ class RemoteRouter(RemoteServer):
         cmd += ["--model", model, *(["--backend", *backends] if backends else []), *args]
         fd, self.log_path = tempfile.mkstemp(prefix="pagoda-router-", suffix=".log")
         self.log = os.fdopen(fd, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
         self._wait_ready()
 
 
@@ -329,3 +338,60 @@ def _reachable(url: str) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+def test_kv_events_follow_the_replicas_caches(tiny_llama):
+    """`--kv-events`: the router knows what each replica's prefix cache holds, from
+    a snapshot when it connects and each change after: blocks a replica cached for a
+    request that never passed the router, and no longer the blocks it evicted."""
+    import threading
+
+    import uvicorn
+
+    from pagoda.entrypoints.router import build_app
+
+    # 40 blocks each (the tiny llama's K/V is 8 KiB a block in float32).
+    servers = [RemoteServer(tiny_llama, "--kv-cache-memory-bytes", str(40 * 8192)) for _ in "ab"]
+    a, b = servers
+    earlier = list(range(10, 74))  # on a before the router starts: in its snapshot
+    a.client().completions.create(model=tiny_llama, prompt=earlier, max_tokens=1)
+    router = Router([s.url for s in servers], kv_events=True)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(router, health_check_interval=0.2), port=port, log_level="error")
+    )
+    threading.Thread(target=server.run, daemon=True).start()
+
+    def held(prompt: list[int], replica: int) -> int:
+        return router.table.matched_blocks(router.block_hashes({"prompt": prompt}), replica)
+
+    def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    try:
+        until(lambda: held(earlier, 0) == 4, "a's snapshot")
+        assert held(earlier, 1) == 0
+        # Sent straight to b: the router learns it from b's events, and routes there.
+        families = [[(f * 41 + i * 7) % 300 + 3 for i in range(64)] for f in range(3)]
+        for prompt in families:
+            b.client().completions.create(model=tiny_llama, prompt=prompt, max_tokens=1)
+            until(lambda p=prompt: held(p, 1) == 4, "b's events")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        before = hits([b])
+        for prompt in families:
+            client.completions.create(model=tiny_llama, prompt=prompt + [9, 9], max_tokens=1)
+        assert hits([b]) - before == 3 * 64  # every one went to b and found its prefix
+        # b fills its 40 blocks with other prompts: the families' blocks are evicted.
+        for i in range(12):
+            other = [(i * 53 + j * 3) % 300 + 3 for j in range(64)]
+            b.client().completions.create(model=tiny_llama, prompt=other, max_tokens=1)
+        until(lambda: all(held(p, 1) == 0 for p in families), "b's evictions")
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert f'pagoda_router:kv_event_batches_total{{replica="{b.url}"}}' in metrics
+    finally:
+        server.should_exit = True
+        for s in servers:
+            s.stop()

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from pagoda.core.kv_events import KVEventBatch
+
 # A block's state in `block_map()`.
 FREE, CACHED, USED, SHARED = "0", "1", "2", "3"
 
@@ -26,11 +28,14 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_cnts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
         # OrderedDict as an O(1) LRU: a cache hit can pull a block from the middle.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # The prefix cache: block hash -> block id. Nothing else.
-        self.cached_blocks: dict[int, int] = {}
+        self.cached_blocks: dict[bytes, int] = {}
+        # While someone listens (a router): how the cache's hashes changed since the
+        # last `take_kv_events` (see pagoda.core.kv_events); None when nobody does.
+        self.kv_events: KVEventBatch | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,7 +94,10 @@ class BlockPool:
         if not self.enable_caching or self.block_hashes[block_id] is not None:
             return
         self.block_hashes[block_id] = block_hash
-        self.cached_blocks.setdefault(block_hash, block_id)
+        if block_hash not in self.cached_blocks:
+            self.cached_blocks[block_hash] = block_id
+            if self.kv_events is not None:
+                self.kv_events.changes[block_hash] = True
 
     def forget_hash(self, block_id: int) -> None:
         """The block stops being findable by hash (it is evicted, or its content is in doubt)."""
@@ -99,6 +107,8 @@ class BlockPool:
         self.block_hashes[block_id] = None
         if self.cached_blocks.get(block_hash) == block_id:
             del self.cached_blocks[block_hash]
+            if self.kv_events is not None:
+                self.kv_events.changes[block_hash] = False
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
@@ -106,4 +116,24 @@ class BlockPool:
             return False
         self.cached_blocks.clear()
         self.block_hashes = [None] * self.num_blocks
+        if self.kv_events is not None:
+            self.kv_events = KVEventBatch(cleared=True)
         return True
+
+    def start_kv_events(self) -> KVEventBatch:
+        """Record changes from now on (idempotent); returns the cache as it is, as a
+        batch that clears what a new listener knew and stores every findable hash."""
+        if self.kv_events is None:
+            self.kv_events = KVEventBatch()
+        return KVEventBatch(dict.fromkeys(self.cached_blocks, True), cleared=True)
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The changes since the last call (an empty batch if none); None when not
+        recording."""
+        events = self.kv_events
+        if events is not None:
+            self.kv_events = KVEventBatch()
+        return events
+
+    def stop_kv_events(self) -> None:
+        self.kv_events = None

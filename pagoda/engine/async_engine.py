@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs
+from pagoda.core.kv_events import KVEventBatch
 from pagoda.core.stats import EngineSnapshot, SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
@@ -116,7 +117,62 @@ class TakeSnapshot:
     done: asyncio.Future
 
 
-EngineOp = AddRequests | AbortRequests | AbortAll | AddLoRA | RemoveLoRA | TakeSnapshot
+@dataclass
+class ListenKVEvents:
+    """Send the prefix cache's changes to `stream`, from a snapshot taken now."""
+
+    stream: KVEventStream
+
+
+@dataclass
+class StopKVEvents:
+    stream: KVEventStream
+
+
+EngineOp = (
+    AddRequests
+    | AbortRequests
+    | AbortAll
+    | AddLoRA
+    | RemoveLoRA
+    | TakeSnapshot
+    | ListenKVEvents
+    | StopKVEvents
+)
+
+
+class KVEventStream:
+    """One listener's KV event batches (see pagoda.core.kv_events), as an async
+    iterator: first a snapshot of the prefix cache, then each step's changes. A
+    listener more than `MAX_PENDING` batches behind is dropped: its iteration ends,
+    and it should listen again (from a new snapshot). Only the owning loop reads it."""
+
+    MAX_PENDING = 1024
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.ended = False
+        self._items: deque[KVEventBatch] = deque()
+        self._ready = asyncio.Event()
+
+    def _put(self, batch: KVEventBatch | None) -> None:  # on self.loop; None: the end
+        if batch is None or len(self._items) >= self.MAX_PENDING:
+            self.ended = True
+            self._items.clear()
+        elif not self.ended:
+            self._items.append(batch)
+        self._ready.set()
+
+    def __aiter__(self) -> KVEventStream:
+        return self
+
+    async def __anext__(self) -> KVEventBatch:
+        while not self._items:
+            if self.ended:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
 
 
 class RequestStream:
@@ -214,6 +270,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self.num_steps = 0
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._kv_listeners: list[KVEventStream] = []  # engine thread only
         self._ids = itertools.count()
         self._processor_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-processor")
         self._model_name = model_name
@@ -402,6 +459,19 @@ class AsyncEngine:
         self._submit(op)
         return await op.done
 
+    def listen_kv_events(self) -> KVEventStream:
+        """The prefix cache's changes as they happen (call on the loop that reads them):
+        first a snapshot (every block hash it can find), then one batch per step that
+        changed it. The stream ends if its reader falls too far behind (listen again)
+        or the engine stops; `stop_kv_events` when done with it. Raises
+        EngineDeadError or EngineNotAcceptingError."""
+        stream = KVEventStream(asyncio.get_running_loop())
+        self._submit(ListenKVEvents(stream))
+        return stream
+
+    def stop_kv_events(self, stream: KVEventStream) -> None:
+        self._push(StopKVEvents(stream))
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Free an adapter's memory in the engine (thread-safe, returns at once)."""
         self._push(RemoveLoRA(lora_int_id))
@@ -443,7 +513,7 @@ class AsyncEngine:
                 raise TimeoutError("the engine did not become idle in time.")
             await asyncio.sleep(0.01)
 
-    def _submit(self, op: AddRequests | AddLoRA | TakeSnapshot, num_adds: int = 0) -> None:
+    def _submit(self, op: EngineOp, num_adds: int = 0) -> None:
         """Queue an operation that the engine thread answers through a future."""
         with self._cond:
             # Under the lock: the engine may have died or stopped since the caller's
@@ -492,6 +562,7 @@ class AsyncEngine:
             if self.on_dead is not None:
                 self.on_dead(error)
         finally:
+            self._end_kv_listeners()
             self.engine.shutdown()  # its worker processes, if it has any
 
     def _loop(self) -> None:
@@ -513,6 +584,8 @@ class AsyncEngine:
                     self.num_steps += 1
                     for output in outputs:
                         self._send_output(output, sends)
+                if self._kv_listeners:
+                    self._send_kv_events(sends)
             except BaseException:
                 _post(sends)  # what this round already decided goes out before the failure
                 raise
@@ -564,6 +637,18 @@ class AsyncEngine:
             result = (self.engine.snapshot(), time.perf_counter() - start)
             sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, result))
             return 0
+        if isinstance(op, ListenKVEvents):
+            snapshot = self.engine.kv_cache_manager.block_pool.start_kv_events()
+            self._send_kv_events(sends)  # what changed before it is in the snapshot
+            self._kv_listeners.append(op.stream)
+            sends.setdefault(op.stream.loop, []).append((KVEventStream._put, op.stream, snapshot))
+            return 0
+        if isinstance(op, StopKVEvents):
+            if op.stream in self._kv_listeners:
+                self._kv_listeners.remove(op.stream)
+            if not self._kv_listeners:
+                self.engine.kv_cache_manager.block_pool.stop_kv_events()
+            return 0
         ids = list(self._streams) if isinstance(op, AbortAll) else op.request_ids
         for output in self.engine.abort_request(ids):
             self._send_output(output, sends)
@@ -577,6 +662,12 @@ class AsyncEngine:
             del self._streams[output.request_id]
         sends.setdefault(stream.loop, []).append((RequestStream._put, stream, output))
 
+    def _send_kv_events(self, sends: dict) -> None:
+        batch = self.engine.kv_cache_manager.block_pool.take_kv_events()
+        if batch:
+            for stream in self._kv_listeners:
+                sends.setdefault(stream.loop, []).append((KVEventStream._put, stream, batch))
+
     def _fail_all(self, error: BaseException) -> None:
         sends: dict = {}
         with self._cond:
@@ -586,9 +677,23 @@ class AsyncEngine:
                 sends.setdefault(op.accepted.get_loop(), []).append((_resolve, op.accepted, error))
             elif isinstance(op, AddLoRA | TakeSnapshot):
                 sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, error))
+            elif isinstance(op, ListenKVEvents):
+                self._kv_listeners.append(op.stream)
         for stream in self._streams.values():
             sends.setdefault(stream.loop, []).append((RequestStream._put, stream, error))
         self._streams.clear()
+        _post(sends)
+        self._end_kv_listeners()
+
+    def _end_kv_listeners(self) -> None:
+        """The engine stopped: every KV event stream ends (their readers stop waiting)."""
+        with self._cond:  # a listen queued after the engine's last round ends too
+            ops, self._ops = self._ops, []
+        self._kv_listeners += [op.stream for op in ops if isinstance(op, ListenKVEvents)]
+        sends: dict = {}
+        for listener in self._kv_listeners:
+            sends.setdefault(listener.loop, []).append((KVEventStream._put, listener, None))
+        self._kv_listeners.clear()
         _post(sends)
 
 

@@ -174,6 +174,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="replicas at every address HOST resolves to (a headless Kubernetes Service), "
         "looked up again at each health check",
     )
+    parser.add_argument(
+        "--discover-ray",
+        action="store_true",
+        help="replicas that `pagoda serve --data-parallel-size N --distributed-executor-backend "
+        "ray` placed on the Ray cluster (RAY_ADDRESS, or this host's), looked up again at "
+        "each health check",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -193,6 +200,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="in-flight difference past which the least loaded replica wins (prefix policy)",
     )
     parser.add_argument("--prefix-table-size", type=int, default=1 << 20, help="blocks kept")
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="follow each replica's prefix cache (its GET /kv_events stream: blocks stored "
+        "and evicted) besides the router's own routing history",
+    )
     parser.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
 
 
@@ -204,7 +217,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     ns.model = ns.model_tag or ns.model
     engine_args = engine_args_from(ns)  # checked here, before any replica starts
     if ns.data_parallel_size != 1:
-        from pagoda.entrypoints.router import run_data_parallel
+        from pagoda.entrypoints.data_parallel import run_data_parallel
 
         engine_args._verify()
         return run_data_parallel(ns, ns.argv)

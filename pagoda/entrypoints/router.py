@@ -4,8 +4,9 @@ each request where its prompt's prefix is most likely already in the KV cache.
 The router tokenizes the prompt (the model's tokenizer and chat template, as the
 engines do) and hashes it into the chained block hashes the engines' prefix caches
 use (`kv_cache_manager.hash_block`, same block size). It remembers which replicas
-it sent each block to (approximate mode: its own routing history, an LRU of
-`--prefix-table-size` blocks; it does not see the engines evict), and scores each
+it sent each block to (its own routing history, an LRU of `--prefix-table-size`
+blocks) and, with `--kv-events`, follows each replica's prefix cache as it changes
+(`GET /kv_events`: blocks stored and evicted; see prefix_table.py). It scores each
 healthy replica by how many leading blocks of the prompt it holds:
 
 - `prefix` (default): the replica holding the longest prefix; the least loaded one
@@ -26,10 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.core.kv_cache_manager import hash_block
+from pagoda.entrypoints.prefix_table import PrefixTable, follow_kv_events
 
 logger = logging.getLogger(__name__)
 
@@ -55,37 +57,7 @@ class Replica:
     healthy: bool = True
     in_flight: int = 0
     removed: bool = False  # no longer among the router's replicas (DNS discovery)
-
-
-class PrefixTable:
-    """Block hash -> the replicas it was routed to, least recently routed first out."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.owners: OrderedDict[bytes, set[int]] = OrderedDict()
-
-    def matched_blocks(self, hashes: list[bytes], replica: int) -> int:
-        """Leading blocks of `hashes` that were routed to `replica`."""
-        n = 0
-        for h in hashes:
-            owners = self.owners.get(h)
-            if owners is None or replica not in owners:
-                break
-            n += 1
-        return n
-
-    def record(self, hashes: list[bytes], replica: int) -> None:
-        for h in hashes:
-            owners = self.owners.pop(h, None) or set()
-            owners.add(replica)
-            self.owners[h] = owners
-        while len(self.owners) > self.capacity:
-            self.owners.popitem(last=False)
-
-    def forget(self, replica: int) -> None:
-        """A replica that went down comes back with an empty cache."""
-        for owners in self.owners.values():
-            owners.discard(replica)
+    times_down: int = 0  # how often it went down (its KV events start again after each)
 
 
 class Router:
@@ -98,9 +70,12 @@ class Router:
         prefix_table_size: int = 1 << 20,
         tokenizer=None,
         discover: str | None = None,
+        kv_events: bool = False,
     ) -> None:
         if not backends and discover is None:
-            raise ValueError("router: name replicas with --backend or --discover-dns.")
+            raise ValueError(
+                "router: name replicas with --backend, --discover-dns or --discover-ray."
+            )
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
         if block_size < 1 or balance_threshold < 0 or prefix_table_size < 1:
@@ -111,11 +86,13 @@ class Router:
         self._next_index = 0
         # "HOST:PORT": the replicas are the addresses HOST resolves to (a headless
         # Kubernetes Service), looked up again before every health check.
-        self.discover = _host_port(discover) if discover is not None else None
+        # "ray": the replica actors of the Ray cluster (see data_parallel.py).
+        self.discover = discover if discover in (None, "ray") else _host_port(discover)
         self.policy = policy
         self.block_size = block_size
         self.balance_threshold = balance_threshold
         self.table = PrefixTable(prefix_table_size)
+        self.kv_events = kv_events  # follow the replicas' prefix caches (GET /kv_events)
         self.tokenizer = tokenizer
         self._round_robin = itertools.count()
         self.registry = prom.CollectorRegistry()
@@ -143,6 +120,10 @@ class Router:
             "pagoda_router:replica_healthy", "1 while the replica takes requests", labels,
             registry=self.registry,
         )  # fmt: skip
+        self.kv_event_batches = prom.Counter(
+            "pagoda_router:kv_event_batches", "KV event batches applied (--kv-events)", labels,
+            registry=self.registry,
+        )  # fmt: skip
         self.in_flight_gauge = prom.Gauge(
             "pagoda_router:replica_in_flight", "Requests in flight", labels, registry=self.registry
         )
@@ -152,6 +133,7 @@ class Router:
             self.matched_blocks,
             self.healthy_gauge,
             self.in_flight_gauge,
+            self.kv_event_batches,
         )
         self.set_replicas(backends)
 
@@ -181,10 +163,18 @@ class Router:
             self.replicas.append(replica)
 
     async def discover_replicas(self) -> None:
-        """With `discover`: the replicas are what its host resolves to now (kept as
-        they are when the lookup fails)."""
+        """With `discover`: the replicas are what its host resolves to now, or the Ray
+        cluster's replica actors (kept as they are when the lookup fails)."""
         import socket
 
+        if self.discover == "ray":
+            from pagoda.entrypoints.data_parallel import ray_replica_urls
+
+            try:
+                self.set_replicas(await asyncio.to_thread(ray_replica_urls))
+            except Exception as e:  # the cluster is unreachable for now
+                logger.warning("router: cannot list the Ray cluster's replicas (%r)", e)
+            return
         host, port = self.discover
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
@@ -263,12 +253,21 @@ class Router:
             )
             self.table.record(hashes, replica.index)
 
+    def apply_kv_events(self, replica: Replica, times_down: int, batch) -> None:
+        """A replica's KV events, from a follower started after it had gone down
+        `times_down` times (a later follower, from a new snapshot, replaces it)."""
+        if replica.removed or not replica.healthy or times_down != replica.times_down:
+            return
+        self.table.apply(batch, replica.index)
+        self.kv_event_batches.labels(replica.url).inc()
+
     def set_health(self, replica: Replica, healthy: bool) -> None:
         if replica.removed:
             return
         if replica.healthy and not healthy:
             logger.warning("router: replica %s is down", replica.url)
             self.table.forget(replica.index)
+            replica.times_down += 1
         elif healthy and not replica.healthy:
             logger.info("router: replica %s is back", replica.url)
         replica.healthy = healthy
@@ -302,6 +301,32 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
         timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
     )
 
+    # --kv-events: a task per healthy replica following its prefix cache, and how
+    # often the replica had gone down when it started.
+    followers: dict[Replica, tuple[asyncio.Task, int]] = {}
+    events_client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+
+    def follow_replicas() -> None:
+        """Follow the healthy replicas; one that went down since its follower started
+        (its blocks were forgotten, and the events meanwhile dropped) starts again,
+        from a snapshot."""
+        for replica, (task, times_down) in list(followers.items()):
+            stale = times_down != replica.times_down or not replica.healthy
+            if stale or replica not in router.replicas:
+                task.cancel()
+                del followers[replica]
+        for replica in router.replicas:
+            if replica.healthy and replica not in followers:
+                task = asyncio.create_task(
+                    follow_kv_events(
+                        events_client,
+                        replica.url,
+                        functools.partial(router.apply_kv_events, replica, replica.times_down),
+                        health_check_interval,
+                    )
+                )
+                followers[replica] = (task, replica.times_down)
+
     async def check_health() -> None:
         while True:  # never ends but by cancellation: an error skips one round
             try:
@@ -313,6 +338,8 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
                         router.set_health(replica, r.status_code == 200)
                     except httpx.HTTPError:
                         router.set_health(replica, False)
+                if router.kv_events:
+                    follow_replicas()
             except Exception:
                 logger.exception("router: health check failed; next round in %.1f s",
                                  health_check_interval)  # fmt: skip
@@ -322,10 +349,14 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(check_health())
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        tasks = [task, *(t for t, _ in followers.values())]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         await client.aclose()
+        await events_client.aclose()
 
     app = FastAPI(title="pagoda router", lifespan=lifespan)
     app.state.router = router
@@ -467,15 +498,17 @@ def run_router(ns: argparse.Namespace) -> int:
         ns.balance_threshold,
         ns.prefix_table_size,
         tokenizer=load_tokenizer(path, is_gguf),
-        discover=ns.discover_dns,
+        discover="ray" if getattr(ns, "discover_ray", False) else ns.discover_dns,
+        kv_events=getattr(ns, "kv_events", False),
     )
     if router.discover is not None:
         asyncio.run(router.discover_replicas())
     logger.info(
-        "pagoda router: %d replicas (%s), policy %s, on http://%s:%d",
+        "pagoda router: %d replicas (%s), policy %s%s, on http://%s:%d",
         len(router.replicas),
         ", ".join(r.url for r in router.replicas),
         ns.policy,
+        " following their KV events" if router.kv_events else "",
         ns.host,
         ns.port,
     )
@@ -490,103 +523,3 @@ def run_router(ns: argparse.Namespace) -> int:
     server = Server(config, shutdown_timeout=0)
     server.run()
     return server.exit_code
-
-
-# ---- pagoda serve --data-parallel-size N ---------------------------------------------
-
-_REPLICA_STARTUP_S = 600  # a large model's load
-
-
-def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
-    """`pagoda serve --data-parallel-size N ...`: N replicas, each a `pagoda serve` with
-    the same arguments on its own share of the cores (pinned, and that many threads)
-    and a free port of 127.0.0.1, behind a prefix router on --host/--port. Replicas
-    get SIGTERM when this process ends, however it ends (PR_SET_PDEATHSIG)."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    n = ns.data_parallel_size
-    cores = sorted(os.sched_getaffinity(0))
-    if not 1 <= n <= len(cores):
-        raise ValueError(f"data_parallel_size must be 1..{len(cores)} (the cores), got {n}.")
-    child_args = _without_options(argv, ("--data-parallel-size", "--port", "--host"))
-    replicas: list[tuple[subprocess.Popen, str]] = []
-    try:
-        for i in range(n):
-            share = cores[i * len(cores) // n : (i + 1) * len(cores) // n]
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *child_args]
-            cmd += ["--host", "127.0.0.1", "--port", str(port)]
-            if ns.num_threads is None:
-                cmd += ["--num-threads", str(len(share))]
-            proc = subprocess.Popen(cmd, preexec_fn=lambda share=share: _pin_child(share))
-            replicas.append((proc, f"http://127.0.0.1:{port}"))
-            logger.info("replica %d: pid %d on cores %s, %s", i, proc.pid, share, replicas[-1][1])
-        deadline = time.monotonic() + _REPLICA_STARTUP_S
-        for proc, url in replicas:
-            while not _healthy(url):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"replica {url} exited with {proc.returncode}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"replica {url} not ready in {_REPLICA_STARTUP_S} s")
-                time.sleep(0.5)
-        router_ns = argparse.Namespace(
-            backend=[url for _, url in replicas],
-            discover_dns=None,
-            host=ns.host,
-            port=ns.port,
-            policy="prefix",
-            model=ns.model,
-            block_size=ns.block_size,
-            balance_threshold=16,
-            prefix_table_size=1 << 20,
-            health_check_interval=2.0,
-            shutdown_timeout=ns.shutdown_timeout,
-        )
-        return run_router(router_ns)
-    finally:
-        for proc, _ in replicas:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, _ in replicas:
-            try:
-                proc.wait(ns.shutdown_timeout + 15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _pin_child(cores: list[int]) -> None:
-    import ctypes
-    import os
-    import signal
-
-    os.sched_setaffinity(0, cores)
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """argv without the options `names` (as `--name value` or `--name=value`)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif not any(arg.startswith(name + "=") for name in names):
-            out.append(arg)
-    return out

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics,
-GET /dashboard (the live dashboard) and GET /dashboard/events (its feed).
+GET /dashboard (the live dashboard) and GET /dashboard/events (its feed), GET
+/kv_events (the prefix cache's block hashes as they change, for a router).
 
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
 400 for bad input (malformed JSON, unknown or mistyped fields, values the
@@ -295,6 +296,8 @@ def build_app(
             return _error(
                 503, f"the engine has stopped: {engine.error!r}", "ServiceUnavailableError"
             )
+        if not engine.accepting:  # draining: routers and readiness probes look elsewhere
+            return _error(503, "the server is shutting down.", "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -325,6 +328,21 @@ def build_app(
         response = StreamingResponse(feed.events(), media_type="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         return response
+
+    @app.get("/kv_events")
+    async def kv_events():
+        """The prefix cache's block hashes as they change, one JSON batch per line (see
+        pagoda.core.kv_events): what `pagoda router --kv-events` follows."""
+        stream = engine.listen_kv_events()
+
+        async def lines():
+            try:
+                async for batch in stream:
+                    yield batch.to_json() + "\n"
+            finally:
+                engine.stop_kv_events(stream)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
