@@ -5,6 +5,7 @@ prefix families (64 requests at once, 448-token prefixes, 64 tokens out each).
 
 - 1 replica on all cores (`pagoda serve`);
 - 2 replicas x 1 core behind `pagoda router --policy prefix`;
+- the same following the replicas' KV events (`--kv-events`);
 - the same behind `--policy round-robin`.
 
 Each configuration starts fresh servers (empty caches); replicas are pinned to
@@ -114,7 +115,7 @@ def main() -> None:
             measure(f"1 replica x {len(cores)} cores", 8100, [8100])
         finally:
             stop([one])
-    for policy in ("prefix", "round-robin"):
+    for policy, events in (("prefix", []), ("prefix", ["--kv-events"]), ("round-robin", [])):
         replicas = [
             start(["serve", *model_args, "--num-threads", "1"], 8101 + i, [cores[i]])
             for i in range(2)
@@ -122,11 +123,12 @@ def main() -> None:
         backends = ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
         router = start(
             ["router", *model_args, "--policy", policy, "--backend", *backends,
-             "--balance-threshold", str(ns.balance_threshold)],
+             "--balance-threshold", str(ns.balance_threshold), *events],
             8100,
         )  # fmt: skip
         try:
-            measure(f"2 replicas x 1 core, {policy}", 8100, [8101, 8102])
+            label = f"2 replicas x 1 core, {policy}{' + KV events' if events else ''}"
+            measure(label, 8100, [8101, 8102])
         finally:
             stop([router, *replicas])
     if ns.output_json:

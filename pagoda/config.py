@@ -15,7 +15,8 @@ logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
-KERNEL_BACKENDS = ("auto", "torch", "cpu")  # as pagoda.ops has them (no torch here)
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")  # as pagoda.ops has them (no torch here)
+DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where torch sees a GPU
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": keep a GGUF file's block-quantized weights quantized; "none": expand every
@@ -49,9 +50,21 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs, and what a GPU runner sizes from the scheduler's limits."""
+
+    device: str = "cpu"  # "cpu" | "cuda"
+    # The fraction of the GPU's memory pagoda may use (weights, the activations of the
+    # largest step, the KV cache); the KV cache gets what is left of it (vLLM's meaning).
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048  # the largest step: the profiling forward's size
+    max_num_seqs: int = 256  # the largest decode batch: the largest CUDA graph's
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int
-    kv_cache_memory_bytes: int
+    kv_cache_memory_bytes: int | None  # None on a GPU: what gpu_memory_utilization leaves
     enable_prefix_caching: bool
     swap_space_bytes: int  # host pool for swapped-out blocks; 0 unless preemption_mode is "swap"
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
@@ -249,6 +262,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # "cuda": weights, KV cache and sampling on the GPU, Triton kernels, CUDA graphs for
+    # decode (enforce_eager turns them off); the KV cache takes what
+    # gpu_memory_utilization leaves unless kv_cache_memory_bytes says otherwise.
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -332,6 +350,15 @@ class EngineArgs:
             )
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
+        utilization = self.gpu_memory_utilization
+        if (
+            isinstance(utilization, bool)
+            or not isinstance(utilization, int | float)
+            or not (0 < utilization <= 1)
+        ):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}.")
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
@@ -358,6 +385,12 @@ class EngineArgs:
                 f"({hf_config['architectures'][0]})."
             )
         self._check_parallel(hf_config)
+        device = self.resolved_device()
+        quantization, kernel_backend = self.quantization, self.kernel_backend
+        if device == "cuda":
+            self._check_cuda(hf_config)
+            quantization = "none"  # GGUF blocks expanded to the dtype: no GPU kernel yet
+            kernel_backend = "triton" if kernel_backend == "auto" else kernel_backend
         model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
         window = hf_config.get("sliding_window")
         if window and hf_config.get("use_sliding_window", True) and window < model_max_len:
@@ -369,7 +402,7 @@ class EngineArgs:
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({model_max_len})."
             )
-        dtype = model_loader.resolve_dtype(self.dtype, hf_config)
+        dtype = model_loader.resolve_dtype(self.dtype, hf_config, device)
         eos_token_ids, generation_defaults = model_loader.load_generation_config(
             path, is_gguf, hf_config
         )
@@ -379,8 +412,8 @@ class EngineArgs:
             is_gguf=is_gguf,
             hf_config=hf_config,
             dtype=dtype,
-            kernel_backend=self.kernel_backend,
-            quantization=self.quantization,
+            kernel_backend=kernel_backend,
+            quantization=quantization,
             keep_full_precision=tuple(self.keep_full_precision),
             int8_activations=self.int8_activations
             if self.int8_activations is not None
@@ -391,6 +424,48 @@ class EngineArgs:
             eos_token_ids=eos_token_ids,
             generation_defaults=generation_defaults,
             seed=self.seed,
+        )
+
+    def resolved_device(self) -> str:
+        """ "cpu" or "cuda" ("auto": CUDA where torch sees a GPU). Raises ValueError for
+        "cuda" without one."""
+        if self.device == "cpu":
+            return "cpu"
+        import torch  # here only: the scheduler imports this module, never torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+        if self.device == "cuda":
+            raise ValueError("device 'cuda': torch sees no CUDA device.")
+        return "cpu"
+
+    def _check_cuda(self, hf_config: dict[str, Any]) -> None:
+        """What the GPU path does not run yet, refused by name."""
+        arch = hf_config["architectures"][0]
+        refusals = {
+            "quantization": self.quantization not in ("auto", "none"),
+            "kernel_backend": self.kernel_backend not in ("auto", "torch", "triton"),
+            "kv_cache_dtype": self.kv_cache_dtype != "auto",
+            "enable_lora": self.enable_lora,
+            "tensor_parallel_size": self.tensor_parallel_size * self.pipeline_parallel_size > 1,
+            "model": "vision_config" in hf_config or "MoeForCausalLM" in arch or "Mixtral" in arch,
+            "speculative_config": (self.speculative_config or {}).get("method")
+            in ("draft", "draft_model"),
+        }
+        for name, refused in refusals.items():
+            if refused:
+                value = arch if name == "model" else getattr(self, name)
+                raise ValueError(
+                    f"{name} {value!r} is not supported on device 'cuda' yet (the GPU path "
+                    "runs dense Llama-family models in float32/bf16/fp16, one process)."
+                )
+
+    def create_device_config(self) -> DeviceConfig:
+        return DeviceConfig(
+            self.resolved_device(),
+            self.gpu_memory_utilization,
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
         )
 
     def _check_parallel(self, hf_config: dict[str, Any]) -> None:
@@ -470,7 +545,8 @@ class EngineArgs:
     def create_cache_config(self) -> CacheConfig:
         return CacheConfig(
             block_size=self.block_size,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes or default_kv_cache_bytes(),
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes
+            or (None if self.resolved_device() == "cuda" else default_kv_cache_bytes()),
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=self.swap_space if self.preemption_mode == "swap" else 0,
             kv_cache_dtype=self.kv_cache_dtype,

@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from pagoda import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
 from tests.conftest import tiny_prompts
@@ -130,6 +131,29 @@ def test_bad_engine_args(tiny_llama, tmp_path):
         LLM(tiny_llama, no_such_arg=1)
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         LLM(str(tmp_path / "does-not-exist"))
+    with pytest.raises(ValueError, match="device"):
+        LLM(tiny_llama, device="tpu")
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(tiny_llama, gpu_memory_utilization=1.5)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda'"):
+            LLM(tiny_llama, device="cuda")
+
+
+def test_what_the_gpu_path_refuses_is_named(tiny_llama):
+    """On device "cuda", what it does not run yet is refused by its field (checked
+    here without a GPU: the check comes before any device is touched)."""
+    for kwargs, field in (
+        (dict(quantization="q8_0"), "quantization"),
+        (dict(enable_lora=True), "enable_lora"),
+        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+        (dict(speculative_config={"method": "draft"}), "speculative_config"),
+    ):
+        args = EngineArgs(model=tiny_llama, device="cuda", **kwargs)
+        args.resolved_device = lambda: "cuda"  # as on a machine with a GPU
+        with pytest.raises(ValueError, match=field):
+            args.create_model_config()
 
 
 def test_broken_model_folders(tiny_llama, tmp_path):

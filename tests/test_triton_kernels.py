@@ -151,3 +151,35 @@ def test_write_kv(dtype):
             want_k.view(-1, kv_heads, head_dim)[slot] = k[i]
             want_v.view(-1, kv_heads, head_dim)[slot] = v[i]
     assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
+
+
+# ---- the whole engine on the Triton backend ---------------------------------------------
+
+
+def test_engine_on_the_triton_backend_matches_the_torch_one(tiny_llama):
+    """kernel_backend "triton" (the GPU's: Triton attention over the paged cache, its
+    norm and rotary kernels) gives the PyTorch backend's tokens, greedy and seeded in
+    float32, through chunked prefill, decode, prefix-cache hits and preemption. Here
+    on the CPU in Triton's interpreter; on a GPU the same test runs there."""
+    from conftest import tiny_prompts
+    from transformers import AutoTokenizer
+
+    from pagoda import LLM, SamplingParams
+
+    prompts = tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), n=5, seed=2)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=5, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        # 24 blocks of 16 tokens: the prompts preempt; 64-token steps chunk them.
+        llm = LLM(
+            tiny_llama, dtype="float32", kernel_backend=backend, device=DEVICE,
+            kv_cache_memory_bytes=24 * 8192, max_num_batched_tokens=64, enforce_eager=True,
+        )  # fmt: skip
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        runs = [llm.generate(inputs, params, use_tqdm=False) for params in (greedy, seeded, greedy)]
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_preemptions > 0 and stats.kv_cache.prefix_cache_hits > 0
+        outputs[backend] = [[[c.token_ids for c in o.outputs] for o in run] for run in runs]
+    assert outputs["triton"] == outputs["torch"]
+    assert outputs["triton"][2] == outputs["triton"][0]  # the cached pass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,29 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]  # tokens already in the cache before this chunk
     prefill_block_tables: list[torch.Tensor]  # [num_blocks] int64 each
+    # The same prefills as tensors on the model's device, for kernels that take them
+    # all at once (the GPU's): [C] each, and the block tables [C, max_blocks].
+    prefill_starts: torch.Tensor | None = None
+    prefill_lens: torch.Tensor | None = None
+    prefill_contexts: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The tensors a kernel reads, on `device` (the host lists stay)."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return replace(
+            self,
+            slot_mapping=move(self.slot_mapping),
+            decode_block_tables=move(self.decode_block_tables),
+            decode_seq_lens=move(self.decode_seq_lens),
+            prefill_starts=move(self.prefill_starts),
+            prefill_lens=move(self.prefill_lens),
+            prefill_contexts=move(self.prefill_contexts),
+            prefill_tables=move(self.prefill_tables),
+        )
 
 
 _current: AttentionMetadata | None = None

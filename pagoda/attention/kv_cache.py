@@ -68,12 +68,16 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> None:
         """`dtype`: the model's, or int8 / float8_e4m3fn (then with scales). Zeroed, so
-        that masked-out slots never hold NaN (0 * NaN would leak through attention)."""
+        that masked-out slots never hold NaN (0 * NaN would leak through attention).
+        `pin_memory`: page-locked host memory (a GPU's swap pool: faster copies)."""
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads)
-        self.data = torch.zeros((*shape, head_dim), dtype=dtype)
-        self.scales = torch.zeros(shape, dtype=torch.float16) if dtype in _QMAX else None
+        kw = dict(device=device, pin_memory=pin_memory)
+        self.data = torch.zeros((*shape, head_dim), dtype=dtype, **kw)
+        self.scales = torch.zeros(shape, dtype=torch.float16, **kw) if dtype in _QMAX else None
 
     @staticmethod
     def bytes_per_block(
@@ -97,13 +101,20 @@ class PagedKVCache:
             return LayerKV(self.data[i, 0], self.data[i, 1])
         return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1])
 
-    def like(self, num_blocks: int) -> PagedKVCache:
-        """An empty cache of the same layout with `num_blocks` blocks (the swap pool)."""
+    def like(self, num_blocks: int, pin_memory: bool = False) -> PagedKVCache:
+        """An empty host cache of the same layout with `num_blocks` blocks (the swap
+        pool; page-locked with `pin_memory`, for a GPU's)."""
         layers, _, _, block_size, heads, head_dim = self.data.shape
-        return PagedKVCache(layers, num_blocks, block_size, heads, head_dim, self.dtype)
+        return PagedKVCache(
+            layers, num_blocks, block_size, heads, head_dim, self.dtype, "cpu", pin_memory
+        )
 
     def copy_blocks(self, src: PagedKVCache, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Blocks `src_ids` of `src` (this cache or another) into blocks `dst_ids` here."""
-        raw(self.data)[:, :, dst_ids] = raw(src.data)[:, :, src_ids]
+        """Blocks `src_ids` of `src` (this cache or another, on any device) into blocks
+        `dst_ids` here (between a GPU and the host: one gather, one copy, one scatter)."""
+        device = self.data.device
+        index = torch.tensor(dst_ids, device=device)
+        source = torch.tensor(src_ids, device=src.data.device)
+        raw(self.data)[:, :, index] = raw(src.data)[:, :, source].to(device)
         if self.scales is not None:
-            self.scales[:, :, dst_ids] = src.scales[:, :, src_ids]
+            self.scales[:, :, index] = src.scales[:, :, source].to(device)

@@ -98,11 +98,14 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
 
     engine_kwargs = _engine_kwargs(ns)
     reqs, path, is_gguf = _workload(ns, engine_kwargs)
+    from pagoda import EngineArgs
+
+    device = EngineArgs(**engine_kwargs).resolved_device()
     dtype = engine_kwargs["dtype"]
     if dtype == "auto":
         from pagoda.model_executor.model_loader import resolve_dtype
 
-        dtype = resolve_dtype("auto", {})
+        dtype = resolve_dtype("auto", {}, device)
     progress = not ns.no_progress
     results = []
 
@@ -127,6 +130,7 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
                 reqs=reqs,
                 batch_size=b,
                 progress=progress,
+                device=device,
             )
             for b in ns.hf_batch_sizes
         ]
@@ -153,6 +157,7 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
         "workload": label,
         "num_requests": len(reqs),
         "dtype": dtype,
+        "device": device,
         "engine": engine_kwargs,
         "batch_size": ns.batch_size,
         "hf_batch_sizes": ns.hf_batch_sizes,

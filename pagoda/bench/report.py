@@ -20,12 +20,19 @@ def machine_info() -> dict[str, Any]:
             )
     except OSError:
         pass
-    return {
+    info = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),
     }
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+    return info
 
 
 def versions() -> dict[str, str]:

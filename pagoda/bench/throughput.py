@@ -193,27 +193,30 @@ def run_hf(
     reqs: list[BenchRequest],
     batch_size: int,
     progress: bool = True,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Hugging Face `generate()` as a user writes it: arrival order, batches of
-    `batch_size`, left padding, each batch runs to its longest output."""
+    `batch_size`, left padding, each batch runs to its longest output (on `device`)."""
     import os
 
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype
+    ]
     if is_gguf:
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch_dtype
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-    model.eval()
+    model.to(device).eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with torch.inference_mode():  # warm-up, untimed
         model.generate(
-            torch.tensor([reqs[0].prompt_token_ids[:64]]),
+            torch.tensor([reqs[0].prompt_token_ids[:64]], device=device),
             max_new_tokens=4,
             do_sample=False,
             pad_token_id=pad_id,
@@ -241,8 +244,8 @@ def run_hf(
         clock = _StepClock()
         with torch.inference_mode():
             model.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=max_new,
                 min_new_tokens=max_new,
                 do_sample=False,
@@ -257,8 +260,9 @@ def run_hf(
     bar.close()
     result = compute_metrics(timelines, duration)
     result.update(
-        system=f"hf-static-B{batch_size}", peak_rss_mib=_peak_rss_mib(), batch_size=batch_size
-    )
+        system=f"hf-static-B{batch_size}", peak_rss_mib=_peak_rss_mib(), batch_size=batch_size,
+        device=device,
+    )  # fmt: skip
     return result
 
 

@@ -63,7 +63,11 @@ class LLMEngine:
                 )
         else:
             self.model_runner = ModelRunner(
-                model_config, cache_config, self.lora_config, draft_model_config
+                model_config,
+                cache_config,
+                self.lora_config,
+                draft_model_config,
+                device_config=engine_args.create_device_config(),
             )
         try:
             self._build_around_runner(engine_args, model_config, cache_config)

@@ -84,9 +84,11 @@ def check_architecture(hf_config: dict[str, Any], path: str) -> None:
         )
 
 
-def resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
+def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str = "cpu") -> str:
     if dtype != "auto":
         return dtype
+    if device == "cuda":  # bf16 from Ampere on, else fp16
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     # bf16 wherever the CPU computes it natively (AVX-512 BF16 / AMX), else fp32.
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 

@@ -17,10 +17,15 @@
                       index_select                  row gather
     moe_combine       mul, index_add                one pass per token over its pairs
 
+On a GPU (`kernel_backend="triton"`, pagoda/ops/triton_ops.py): attention (the
+K/V slot write, split-KV decode, varlen prefill over the paged context),
+add_rms_norm and rotary_embedding are Triton kernels; the products are cuBLAS's
+(`F.linear`); the rest is the PyTorch twin on the device.
+
 `select_ops(kernel_backend, dtype)` builds the `Ops` a model is constructed
 with; layers call `self.ops.<primitive>` and never ask which CPU they run on.
 Every kernel is tested against its twin (tests/test_cpu_kernels.py,
-tests/test_attention.py).
+tests/test_attention.py, tests/test_triton_kernels.py).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pagoda.ops import torch_ops
 
 logger = logging.getLogger(__name__)
 
-KERNEL_BACKENDS = ("auto", "torch", "cpu")
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class Ops:
     """One implementation of each primitive. Ops that work in place say so; callers
     use the return value either way."""
 
-    backend: str  # "torch" | "cpu"
+    backend: str  # "torch" | "cpu" | "triton"
     linear: Callable[..., torch.Tensor]  # (x, weight, bias) -> x @ weight.T + bias
     quant_linear: Callable[..., torch.Tensor]  # (x, QuantizedWeight, bias), the same
     dequantize: Callable[..., torch.Tensor]  # (QuantizedWeight, dtype) -> [N, K]
@@ -65,6 +70,10 @@ class Ops:
     decode_loop_linear: Callable[..., tuple[tuple, int] | None] | None = None
     # Whether the decode loop adds LoRA products as `add_lora` does (its C++ kernel).
     decode_loop_lora: bool = False
+    # (q, k, v, LayerKV, AttentionMetadata, scale) -> [T, H, D]: this step's K/V written,
+    # then the whole step's attention in the backend's own kernels. None: `write_kv`
+    # and `paged_attention` over `decode_attention` (pagoda/attention/paged.py).
+    attention: Callable[..., torch.Tensor] | None = None
 
 
 TORCH_OPS = Ops(
@@ -95,6 +104,8 @@ def select_ops(kernel_backend: str, dtype: torch.dtype, int8_activations: bool =
         )
     if kernel_backend == "torch":
         return TORCH_OPS
+    if kernel_backend == "triton":
+        return gpu_ops()
     from pagoda.ops import cpu
 
     ops = cpu.cpu_ops(dtype, int8_activations)
@@ -106,3 +117,33 @@ def select_ops(kernel_backend: str, dtype: torch.dtype, int8_activations: bool =
             )
         return TORCH_OPS
     return ops
+
+
+def gpu_ops() -> Ops:
+    """The GPU backend. On the CPU it runs only in Triton's interpreter
+    (TRITON_INTERPRET=1, set before triton is imported): how the tests run it."""
+    import os
+
+    try:
+        import pagoda.ops.triton_ops as tr
+    except ImportError as e:
+        raise ValueError("kernel_backend 'triton' needs the triton package.") from e
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "kernel_backend 'triton' needs a CUDA device (on the CPU: Triton's interpreter, "
+            "TRITON_INTERPRET=1, for tests)."
+        )
+    return Ops(
+        backend="triton",
+        linear=torch_ops.linear,
+        quant_linear=torch_ops.quant_linear,
+        dequantize=torch_ops.dequantize,
+        rms_norm=torch_ops.rms_norm,
+        add_rms_norm=tr.add_rms_norm,
+        rotary_embedding=tr.rotary_embedding,
+        decode_attention=tr.decode_attention,
+        add_lora=torch_ops.add_lora,
+        moe_group=torch_ops.moe_group,
+        moe_combine=torch_ops.moe_combine,
+        attention=tr.paged_attention,
+    )

@@ -229,6 +229,27 @@ def prefill_attention(
     return out
 
 
+def paged_attention(q, k, v, cache, meta, scale: float) -> torch.Tensor:
+    """The step's attention (the `attention` op): k, v [T, KVH, D] written to their
+    slots, then decodes through `decode_attention` and prefill chunks through
+    `prefill_attention`, both reading the paged cache (a `LayerKV`) through the
+    block tables of `meta` (an `AttentionMetadata`). q [T, H, D] -> [T, H, D]."""
+    if cache.quantized:
+        raise NotImplementedError("the Triton attention: quantized KV caches")
+    write_kv(k.contiguous(), v.contiguous(), cache.k, cache.v, meta.slot_mapping)
+    nd = meta.num_decodes
+    decode_args = (cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    if nd == q.shape[0]:  # a decode-only step (what a CUDA graph replays)
+        return decode_attention(q, *decode_args)
+    out = prefill_attention(
+        q, cache.k, cache.v, meta.prefill_starts, meta.prefill_lens, meta.prefill_contexts,
+        meta.prefill_tables, scale,
+    )  # fmt: skip
+    if nd:
+        out[:nd] = decode_attention(q[:nd], *decode_args)
+    return out
+
+
 # ---- the small per-layer ops ------------------------------------------------------------
 
 
@@ -283,8 +304,9 @@ def _rotary(qk_ptr, pos_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, HALF_P
 def rotary_embedding(
     qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
-    """In place: qk [T, heads, D] rotated at positions [T]; cos/sin [max_pos, D/2]."""
-    assert qk.is_contiguous()
+    """qk [T, heads, D] rotated at positions [T] (in place when contiguous, else in a
+    contiguous copy: a view of the fused q/k/v product); cos/sin [max_pos, D/2]."""
+    qk = qk.contiguous()
     T, heads, D = qk.shape
     half = D // 2
     _rotary[(T, heads)](

@@ -43,6 +43,17 @@ class SamplingTensors:
     # Rows under a grammar, and their token bitmask [rows, ceil(V / 32)] int32.
     grammar: tuple[list[int], torch.Tensor] | None = None
 
+    def to(self, device: torch.device) -> SamplingTensors:
+        """The same tensors on `device` (the logits'); built on the host, moved once."""
+        if device.type == "cpu":
+            return self
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device, non_blocking=True))
+        if self.grammar is not None:
+            self.grammar = (self.grammar[0], self.grammar[1].to(device, non_blocking=True))
+        return self
+
     @classmethod
     def from_requests(cls, reqs: list[ScheduledRequest], vocab_size: int) -> SamplingTensors:
         params = [r.sampling_params for r in reqs]
@@ -160,8 +171,11 @@ def apply_logits_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.
         logits[st.banned] = NEG_INF
     if st.bias is not None:
         rows, cols, vals = st.bias
+        device = logits.device
         logits = logits.index_put(
-            (torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals), accumulate=True
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(vals, device=device),
+            accumulate=True,
         )
     if st.repetition is not None:
         rep = st.repetition.unsqueeze(1)
@@ -198,7 +212,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator
         probs = probs.masked_fill(probs < threshold, 0.0)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     for row, seed in (st.seeds or {}).items():
-        noise[row].exponential_(generator=torch.Generator().manual_seed(seed))
+        seeded = torch.Generator(noise.device).manual_seed(seed)
+        noise[row].exponential_(generator=seeded)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, greedy_ids, sampled)
 

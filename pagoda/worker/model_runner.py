@@ -17,7 +17,7 @@ import torch
 
 from pagoda.attention.context import AttentionMetadata, forward_context
 from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache
-from pagoda.config import CacheConfig, LoRAConfig, ModelConfig
+from pagoda.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.lora.manager import LoRAManager
@@ -50,21 +50,23 @@ class ModelRunner:
         lora_config: LoRAConfig | None = None,
         draft_model_config: ModelConfig | None = None,
         parallel: ParallelContext = SINGLE,
+        device_config: DeviceConfig = DeviceConfig(),
     ) -> None:
         """`parallel`: this worker's place when the model is split across workers (see
         pagoda.worker.executor); each holds its shard of the model and of every KV
-        block, and only the driver samples."""
+        block, and only the driver samples. `device_config`: the CPU, or a GPU (the
+        weights, the KV cache and sampling there; decode steps from CUDA graphs)."""
         self.model_config = model_config
         self.parallel = parallel
         self.block_size = cache_config.block_size
         self.dtype = _DTYPES[model_config.dtype]
-        self.device = torch.device("cpu")
+        self.device = torch.device(device_config.device)
         cfg = model_config.hf_config
         self.vocab_size = cfg["vocab_size"]
         self.ops = select_ops(
             model_config.kernel_backend, self.dtype, model_config.int8_activations
         )
-        self.model = load_model(model_config, self.ops, parallel)
+        self.model = load_model(model_config, self.ops, parallel).to(self.device)
         self.drafter = None  # speculative method "draft": its model and KV pool
         if draft_model_config is not None:
             from pagoda.worker.draft_model import DraftModel  # it imports this module
@@ -80,9 +82,14 @@ class ModelRunner:
             if lora_config is not None
             else None
         )
-        self.num_blocks = self._allocate_kv_cache(
-            cache_config.kv_cache_memory_bytes, cache_config.kv_cache_dtype
-        )
+        budget = cache_config.kv_cache_memory_bytes
+        if budget is None:  # a GPU: what gpu_memory_utilization leaves
+            from pagoda.worker.gpu import gpu_kv_budget
+
+            budget = gpu_kv_budget(
+                self.model, device_config, model_config.max_model_len, self.block_size
+            )
+        self.num_blocks = self._allocate_kv_cache(budget, cache_config.kv_cache_dtype)
         # Decode-only steps of up to this many rows run in one C++ call (0: none do).
         self.decode_loop_max_rows = (
             0 if model_config.enforce_eager else self.model.build_decode_loop()
@@ -96,7 +103,20 @@ class ModelRunner:
         self.num_host_blocks = cache_config.swap_space_bytes // parallel.sum_over_workers(
             self.bytes_per_block
         )
-        self.host_kv_cache = self.kv_cache.like(self.num_host_blocks)
+        self.host_kv_cache = self.kv_cache.like(
+            self.num_host_blocks, pin_memory=self.device.type == "cuda"
+        )
+        # A GPU: decode steps replay CUDA graphs, captured now for each batch size bucket.
+        self.cuda_graphs = None
+        if self.device.type == "cuda" and not model_config.enforce_eager:
+            from pagoda.worker.gpu import CUDAGraphRunner
+
+            self.cuda_graphs = CUDAGraphRunner(
+                self.model,
+                device_config.max_num_seqs,
+                -(-model_config.max_model_len // self.block_size),
+                self.device,
+            )
         self.generator = torch.Generator(self.device).manual_seed(model_config.seed)
         # Vision-language models: image hash -> encoder output [rows, hidden]; the
         # scheduler's EncoderCacheManager says what to drop.
@@ -123,7 +143,7 @@ class ModelRunner:
                 f"({per_block} bytes)."
             )
         self.kv_cache = PagedKVCache(
-            num_layers, num_blocks, self.block_size, kv_heads, head_dim, dtype
+            num_layers, num_blocks, self.block_size, kv_heads, head_dim, dtype, self.device
         )
         attach_kv_cache(self.model, self.kv_cache)
         if self.drafter is not None:
@@ -175,8 +195,11 @@ class ModelRunner:
             lora = self.lora_manager.prepare(
                 [r.lora_request for r in reqs], [len(r.token_ids) for r in reqs]
             )
-        with forward_context(meta, lora):
-            hidden = self.model(input_ids, positions, inputs_embeds)  # [T, hidden]
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta, inputs_embeds, lora):
+            hidden = self.cuda_graphs.run(input_ids, positions, meta)  # [T, hidden]
+        else:
+            with forward_context(meta, lora):
+                hidden = self.model(input_ids, positions, inputs_embeds)  # [T, hidden]
         if hidden is None:  # a pipeline stage before the last: sent on
             return None
         # Prompt logprobs: each chunk position scores the next prompt token.
@@ -217,11 +240,13 @@ class ModelRunner:
         st = SamplingTensors.from_requests(row_reqs, self.vocab_size)
         if grammar_rows:
             st.grammar = (grammar_rows, torch.from_numpy(step.grammar_bitmask[bitmask_rows]))
-        row_tokens = sample(logits, st, self.generator).tolist()
+        st = st.to(self.device)
+        sampled_ids = sample(logits, st, self.generator)
+        row_tokens = sampled_ids.tolist()  # the step's one wait for the device
         row_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in sampled):
             num_top = [r.sampling_params.logprobs or 0 for r in row_reqs]
-            row_logprobs = compute_logprobs(logits.float(), torch.tensor(row_tokens), num_top)
+            row_logprobs = compute_logprobs(logits.float(), sampled_ids, num_top)
         token_ids, logprobs, row = [], [], 0
         for r in sampled:
             n = _num_accepted(r, row_tokens[row : row + r.num_draft_tokens + 1]) + 1
@@ -285,7 +310,7 @@ class ModelRunner:
         out = {}
         for r in reqs:
             if r.request_id in prompt_logits:
-                targets = torch.tensor(r.prompt_logprob_targets)
+                targets = torch.tensor(r.prompt_logprob_targets, device=self.device)
                 n = r.prompt_logprobs_n
                 logits = prompt_logits[r.request_id].float()
                 out[r.request_id] = [
@@ -294,12 +319,15 @@ class ModelRunner:
         return out or None
 
     def _prepare_inputs(self, reqs: list[ScheduledRequest]):
-        return prepare_inputs(reqs, self.block_size)
+        return prepare_inputs(reqs, self.block_size, self.device)
 
 
-def prepare_inputs(reqs: list[ScheduledRequest], block_size: int):
+def prepare_inputs(
+    reqs: list[ScheduledRequest], block_size: int, device: torch.device = torch.device("cpu")
+):
     """Flat inputs and attention metadata for `reqs`, decodes first: (input_ids,
-    positions, metadata, cu_q: each request's first row and the end)."""
+    positions, metadata, cu_q: each request's first row and the end). Built on the
+    host; what the model reads is then copied to `device` (cu_q stays on the host)."""
     bs = block_size
     query_lens = torch.tensor([len(r.token_ids) for r in reqs])
     context_lens = torch.tensor([r.num_computed_tokens for r in reqs])
@@ -328,7 +356,14 @@ def prepare_inputs(reqs: list[ScheduledRequest], block_size: int):
         prefill_block_tables=[
             block_tables[i, : len(reqs[i].block_ids)] for i in range(num_decode_reqs, len(reqs))
         ],
+        prefill_starts=cu_q[num_decode_reqs:-1],
+        prefill_lens=query_lens[num_decode_reqs:],
+        prefill_contexts=context_lens[num_decode_reqs:],
+        prefill_tables=block_tables[num_decode_reqs:],
     )
+    if device.type != "cpu":
+        input_ids, positions = input_ids.to(device), positions.to(device)
+        meta = meta.to(device)
     return input_ids, positions, meta, cu_q
 
 

@@ -22,5 +22,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
         meta = get_attention_metadata()
+        if self.ops.attention is not None:  # the backend's own (the GPU's Triton kernels)
+            return self.ops.attention(q, k, v, self.kv, meta, self.scale)
         write_kv(k, v, self.kv, meta.slot_mapping)
         return paged_attention(q, k, v, self.kv, meta, self.scale, self.ops.decode_attention)
