@@ -53,8 +53,10 @@ def main() -> None:
         for row in run_latency({**base, "enforce_eager": eager}, ns.batch_sizes, ns.context,
                                ns.output_len):  # fmt: skip
             context = ns.context + ns.output_len / 2  # the mean context of a decode step
-            floor_ms = 1000 * (weights + row["batch_size"] * context * kv_per_token) / (
-                ns.bandwidth_gb_s * 1e9
+            floor_ms = (
+                1000
+                * (weights + row["batch_size"] * context * kv_per_token)
+                / (ns.bandwidth_gb_s * 1e9)
             )
             row.update(
                 cuda_graphs=not eager,

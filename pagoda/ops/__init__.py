@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -133,17 +133,11 @@ def gpu_ops() -> Ops:
             "kernel_backend 'triton' needs a CUDA device (on the CPU: Triton's interpreter, "
             "TRITON_INTERPRET=1, for tests)."
         )
-    return Ops(
+    return replace(
+        TORCH_OPS,
         backend="triton",
-        linear=torch_ops.linear,
-        quant_linear=torch_ops.quant_linear,
-        dequantize=torch_ops.dequantize,
-        rms_norm=torch_ops.rms_norm,
         add_rms_norm=tr.add_rms_norm,
         rotary_embedding=tr.rotary_embedding,
         decode_attention=tr.decode_attention,
-        add_lora=torch_ops.add_lora,
-        moe_group=torch_ops.moe_group,
-        moe_combine=torch_ops.moe_combine,
         attention=tr.paged_attention,
     )
