@@ -385,7 +385,7 @@ class EngineArgs:
                 f"({hf_config['architectures'][0]})."
             )
         self._check_parallel(hf_config)
-        device = self.resolved_device()
+        device = self.resolved_device(warn=True)
         quantization, kernel_backend = self.quantization, self.kernel_backend
         if device == "cuda":
             self._check_cuda(hf_config)
@@ -426,21 +426,36 @@ class EngineArgs:
             seed=self.seed,
         )
 
-    def resolved_device(self) -> str:
-        """ "cpu" or "cuda" ("auto": CUDA where torch sees a GPU). Raises ValueError for
-        "cuda" without one."""
+    def resolved_device(self, warn: bool = False) -> str:
+        """ "cpu" or "cuda". "auto": CUDA where torch sees a GPU and the GPU path runs
+        this configuration (else the CPU; `warn` logs why). Raises ValueError for
+        "cuda" without a GPU."""
         if self.device == "cpu":
             return "cpu"
         import torch  # here only: the scheduler imports this module, never torch
 
-        if torch.cuda.is_available():
-            return "cuda"
-        if self.device == "cuda":
-            raise ValueError("device 'cuda': torch sees no CUDA device.")
-        return "cpu"
+        if not torch.cuda.is_available():
+            if self.device == "cuda":
+                raise ValueError("device 'cuda': torch sees no CUDA device.")
+            return "cpu"
+        if self.device == "auto":
+            from pagoda.model_executor import model_loader
+
+            path, is_gguf = model_loader.resolve_model(self.model)
+            refusal = self._cuda_refusal(model_loader.load_hf_config(path, is_gguf))
+            if refusal is not None:
+                if warn:
+                    logger.warning("device auto: %s; running on the CPU.", refusal)
+                return "cpu"
+        return "cuda"
 
     def _check_cuda(self, hf_config: dict[str, Any]) -> None:
-        """What the GPU path does not run yet, refused by name."""
+        refusal = self._cuda_refusal(hf_config)
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    def _cuda_refusal(self, hf_config: dict[str, Any]) -> str | None:
+        """What the GPU path does not run yet, by field (None: it runs this)."""
         arch = hf_config["architectures"][0]
         refusals = {
             "quantization": self.quantization not in ("auto", "none"),
@@ -455,10 +470,11 @@ class EngineArgs:
         for name, refused in refusals.items():
             if refused:
                 value = arch if name == "model" else getattr(self, name)
-                raise ValueError(
+                return (
                     f"{name} {value!r} is not supported on device 'cuda' yet (the GPU path "
-                    "runs dense Llama-family models in float32/bf16/fp16, one process)."
+                    "runs dense Llama-family models in float32/bf16/fp16, one process)"
                 )
+        return None
 
     def create_device_config(self) -> DeviceConfig:
         return DeviceConfig(

@@ -151,7 +151,7 @@ def test_what_the_gpu_path_refuses_is_named(tiny_llama):
         (dict(speculative_config={"method": "draft"}), "speculative_config"),
     ):
         args = EngineArgs(model=tiny_llama, device="cuda", **kwargs)
-        args.resolved_device = lambda: "cuda"  # as on a machine with a GPU
+        args.resolved_device = lambda warn=False: "cuda"  # as on a machine with a GPU
         with pytest.raises(ValueError, match=field):
             args.create_model_config()
 

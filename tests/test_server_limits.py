@@ -46,6 +46,11 @@ def test_api_key_guards_v1(server):
     assert httpx.post(server.base_url + "/completions", json=body, headers=auth).status_code == 200
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(server.url + path).status_code == 200, path
+    # Which prefixes are cached is the key holder's to know.
+    _error(httpx.get(server.url + "/kv_events"), 401, "invalid_api_key")
+    with httpx.stream("GET", server.url + "/kv_events", headers=auth, timeout=30) as r:
+        assert r.status_code == 200
+        assert json.loads(next(r.iter_lines()))["cleared"] is True  # the snapshot first
     with pytest.raises(openai.AuthenticationError):
         server.client().models.list()
     ok = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
@@ -132,10 +137,21 @@ def test_sigterm_finishes_or_aborts_in_flight_and_exits_0(tiny_llama):
                     finish = chunk.choices[0].finish_reason or finish
                 return finish
 
+            async def kv_events() -> int:
+                """A router's KV event stream: ended by the server when it drains, not cut."""
+                auth = {"Authorization": f"Bearer {KEY}"}
+                async with (
+                    httpx.AsyncClient(timeout=60) as http,
+                    http.stream("GET", server.url + "/kv_events", headers=auth) as r,
+                ):
+                    return len([line async for line in r.aiter_lines()])
+
+            events = asyncio.create_task(kv_events())
             tasks = [asyncio.create_task(one(3 if i % 2 else 480)) for i in range(16)]
             await asyncio.wait_for(started.wait(), 60)
             server.proc.send_signal(15)  # SIGTERM, with every request streaming
             results = await asyncio.gather(*tasks)
+            assert await events >= 1  # the snapshot and the changes, then a clean end
             await client.close()
             return results
 

@@ -136,10 +136,13 @@ class Scheduler:
 
     def recompute_requests(self, request_ids: Iterable[str]) -> None:
         """Put running requests back in the waiting queue to compute all their tokens again
-        (preemption by recompute, whatever the preemption mode)."""
+        (preemption by recompute, whatever the preemption mode). An id aborted while its
+        step was in flight is only no longer in flight: that step is dropped."""
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
+            if request is None:
+                self.in_flight.discard(request_id)
+            elif request.status == RequestStatus.RUNNING:
                 self._preempt(request, recompute=True)
 
     def has_unfinished_requests(self) -> bool:

@@ -126,7 +126,7 @@ class ListenKVEvents:
 
 @dataclass
 class StopKVEvents:
-    stream: KVEventStream
+    stream: KVEventStream | None  # None: every stream (the server is draining)
 
 
 EngineOp = (
@@ -465,6 +465,8 @@ class AsyncEngine:
         changed it. The stream ends if its reader falls too far behind (listen again)
         or the engine stops; `stop_kv_events` when done with it. Raises
         EngineDeadError or EngineNotAcceptingError."""
+        if not self._accepting:
+            raise EngineNotAcceptingError("the server is shutting down.")
         stream = KVEventStream(asyncio.get_running_loop())
         self._submit(ListenKVEvents(stream))
         return stream
@@ -486,8 +488,10 @@ class AsyncEngine:
         self._push(AbortAll())
 
     def stop_accepting(self) -> None:
-        """Refuse new requests (EngineNotAcceptingError); running ones go on."""
+        """Refuse new requests (EngineNotAcceptingError); running ones go on. KV event
+        streams end (their readers would otherwise hold a draining server open)."""
         self._accepting = False
+        self._push(StopKVEvents(None))
 
     def shutdown(self, abort: bool = True, timeout: float | None = None) -> None:
         """Stop the engine thread: abort what is unfinished (or, with abort=False,
@@ -644,8 +648,10 @@ class AsyncEngine:
             sends.setdefault(op.stream.loop, []).append((KVEventStream._put, op.stream, snapshot))
             return 0
         if isinstance(op, StopKVEvents):
-            if op.stream in self._kv_listeners:
-                self._kv_listeners.remove(op.stream)
+            ended = self._kv_listeners if op.stream is None else [op.stream]
+            for stream in [s for s in ended if s in self._kv_listeners]:
+                self._kv_listeners.remove(stream)
+                sends.setdefault(stream.loop, []).append((KVEventStream._put, stream, None))
             if not self._kv_listeners:
                 self.engine.kv_cache_manager.block_pool.stop_kv_events()
             return 0

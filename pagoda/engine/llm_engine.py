@@ -435,7 +435,9 @@ class LLMEngine:
             stat_logger.record(stats)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.states)
+        """Requests a user sees, or steps still in flight (pipeline parallel: their
+        requests may all have been aborted; collecting them frees their ids)."""
+        return bool(self.output_processor.states or self._steps_in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)

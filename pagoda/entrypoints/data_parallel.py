@@ -43,8 +43,8 @@ def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
     n = ns.data_parallel_size
     args = _without_options(argv, ("--data-parallel-size", "--port", "--host"))  # "serve" ...
     if ns.distributed_executor_backend == "ray":
-        split = ns.tensor_parallel_size * ns.pipeline_parallel_size > 1
-        replicas = _RayReplicas(n, args, ns.num_threads, split)
+        world = ns.tensor_parallel_size * ns.pipeline_parallel_size
+        replicas = _RayReplicas(n, args, ns.num_threads, world)
     else:
         replicas = _LocalReplicas(n, args, ns.num_threads)
     try:
@@ -138,9 +138,9 @@ class ReplicaActor:
 class _RayReplicas:
     """Replicas as named Ray actors, each reserving its share of the cluster's CPUs."""
 
-    def __init__(self, n: int, args: list[str], num_threads: int | None, split: bool) -> None:
-        """`split`: each replica's model is split across Ray workers, which reserve
-        the CPUs; the replica's own actor then reserves none."""
+    def __init__(self, n: int, args: list[str], num_threads: int | None, world: int) -> None:
+        """`world`: the workers each replica's model is split across (1: none); they
+        reserve the CPUs (each its share), and the replica's own actor then none."""
         from pagoda.worker.ray_executor import connect_ray
 
         if n < 1:
@@ -149,8 +149,8 @@ class _RayReplicas:
         logger.info("Ray cluster at %s", ray.get_runtime_context().gcs_address)
         self.ray = ray
         cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
-        self.cpus = num_threads or max(1, cluster_cpus // n)
-        self.n, self.args, self.split = n, args, split
+        self.cpus = num_threads or max(1, cluster_cpus // (n * world))  # per process
+        self.n, self.args, self.split = n, args, world > 1
         self.group = uuid.uuid4().hex[:8]
         self.actors: list = []
 

@@ -40,6 +40,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagoda import envs
 from pagoda.core.kv_cache_manager import hash_block
 from pagoda.entrypoints.prefix_table import PrefixTable, follow_kv_events
 
@@ -304,7 +305,12 @@ def build_app(router: Router, health_check_interval: float = 2.0) -> FastAPI:
     # --kv-events: a task per healthy replica following its prefix cache, and how
     # often the replica had gone down when it started.
     followers: dict[Replica, tuple[asyncio.Task, int]] = {}
-    events_client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    # The replicas' key (PAGODA_API_KEY, as `pagoda serve` reads it) guards their events.
+    key = envs.api_key()
+    events_client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0),
+        headers={"Authorization": f"Bearer {key}"} if key else None,
+    )
 
     def follow_replicas() -> None:
         """Follow the healthy replicas; one that went down since its follower started

@@ -30,14 +30,20 @@ import triton.language as tl
 # ---- decode attention --------------------------------------------------------------
 
 
+def _precision(cache_dtype: torch.dtype) -> str:
+    """tl.dot's: float32 models exactly ("ieee"; a GPU's default, TF32, rounds operands
+    to 10 bits), half-precision ones on tensor cores (TF32 keeps their 7 or 10 bits)."""
+    return "ieee" if cache_dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr,  # inputs
     m_ptr, l_ptr, acc_ptr,  # partial results [B, H, S] and [B, H, S, D]
-    scale,
+    scale, blocks_per_split, num_splits,  # run-time: no compile per table width
     stride_tb, stride_kn, stride_kb, stride_kh,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
@@ -49,9 +55,9 @@ def _decode_partial(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741 (the softmax's sum, as in the papers)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    first = split * BLOCKS_PER_SPLIT
+    first = split * blocks_per_split
     t = tl.arange(0, BLOCK_SIZE)
-    for i in range(BLOCKS_PER_SPLIT):
+    for i in range(blocks_per_split):
         logical = first + i
         pos = logical * BLOCK_SIZE + t
         ok = pos < seq_len
@@ -62,7 +68,7 @@ def _decode_partial(
             k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
             s = (
-                tl.dot(q, tl.trans(k))
+                tl.dot(q, tl.trans(k), input_precision=PRECISION)
                 if GROUP_PAD >= 16
                 else tl.sum(q[:, None, :] * k[None, :, :], 2)
             )
@@ -71,10 +77,14 @@ def _decode_partial(
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)  # noqa: E741
-            pv = tl.dot(p, v) if GROUP_PAD >= 16 else tl.sum(p[:, :, None] * v[None, :, :], 1)
+            pv = (
+                tl.dot(p, v, input_precision=PRECISION)
+                if GROUP_PAD >= 16
+                else tl.sum(p[:, :, None] * v[None, :, :], 1)
+            )
             acc = acc * alpha[:, None] + pv
             m = m_new
-    out = (b * H + heads) * NUM_SPLITS + split
+    out = (b * H + heads) * num_splits + split
     tl.store(m_ptr + out, m, mask=head_ok)
     tl.store(l_ptr + out, l, mask=head_ok)
     tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=head_ok[:, None])
@@ -82,19 +92,19 @@ def _decode_partial(
 
 @triton.jit
 def _decode_merge(
-    m_ptr, l_ptr, acc_ptr, o_ptr,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    m_ptr, l_ptr, acc_ptr, o_ptr, num_splits,
+    D: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)  # b * H + h
     s = tl.arange(0, SPLITS_PAD)
-    valid = s < NUM_SPLITS
-    m = tl.load(m_ptr + row * NUM_SPLITS + s, mask=valid, other=float("-inf"))
-    l = tl.load(l_ptr + row * NUM_SPLITS + s, mask=valid, other=0.0)  # noqa: E741
+    valid = s < num_splits
+    m = tl.load(m_ptr + row * num_splits + s, mask=valid, other=float("-inf"))
+    l = tl.load(l_ptr + row * num_splits + s, mask=valid, other=0.0)  # noqa: E741
     m_all = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # splits past the end: weight 0
     d = tl.arange(0, D)
     acc = tl.load(
-        acc_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0
+        acc_ptr + (row * num_splits + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0
     )
     o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(o_ptr + row * D + d, o.to(o_ptr.dtype.element_ty))
@@ -113,7 +123,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """`torch_ops.decode_attention`: q [B, H, D], caches [N, bs, KVH, D], block_tables
     [B, MB], seq_lens [B] (each >= 1) -> [B, H, D]. `num_splits`: how many pieces of
-    the context run in parallel (default: enough for about 4 blocks each)."""
+    the context run in parallel (default: 4 blocks each, at most 64 pieces)."""
     if k_scales is not None or v_scales is not None:
         raise NotImplementedError("decode_attention (Triton): quantized KV caches")
     B, H, D = q.shape
@@ -124,7 +134,7 @@ def decode_attention(
         )
     max_blocks = block_tables.shape[1]
     if num_splits is None:
-        num_splits = max(1, min(16, triton.cdiv(max_blocks, 4)))
+        num_splits = max(1, min(64, triton.cdiv(max_blocks, 4)))
     blocks_per_split = triton.cdiv(max_blocks, num_splits)
     group = H // KVH
     m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
@@ -132,14 +142,15 @@ def decode_attention(
     acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
     q = q.contiguous()
     _decode_partial[(B, KVH, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale, blocks_per_split,
+        num_splits,
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), D=D,
-        BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=blocks_per_split, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, PRECISION=_precision(k_cache.dtype),
     )  # fmt: skip
     out = torch.empty_like(q)
     _decode_merge[(B * H,)](
-        m, l, acc, out, D=D, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits)
+        m, l, acc, out, num_splits, D=D, SPLITS_PAD=triton.next_power_of_2(num_splits)
     )
     return out
 
@@ -150,7 +161,7 @@ def _prefill_attention(
     scale,
     stride_tb, stride_kn, stride_kb, stride_kh,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     chunk, h, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     qlen = tl.load(qlens_ptr + chunk)
@@ -181,7 +192,7 @@ def _prefill_attention(
             )
             k = tl.load(k_ptr + offs, mask=key_ok[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_ptr + offs, mask=key_ok[:, None], other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             visible = (pos[None, :] <= (ctx + rows)[:, None]) & key_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -189,7 +200,7 @@ def _prefill_attention(
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)  # noqa: E741
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m = m_new
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(o_ptr + q_offs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -204,18 +215,22 @@ def prefill_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Prefill chunks over their paged context, causal, varlen: chunk c's queries are
     q[query_starts[c] : + query_lens[c]] [.., H, D], at positions context_lens[c] + i,
     each seeing its request's keys up to its own position (this step's K/V already
-    written to the caches [N, bs, KVH, D]; block_tables [C, MB]). Returns [T, H, D]
-    (rows of no chunk untouched: uninitialized)."""
+    written to the caches [N, bs, KVH, D]; block_tables [C, MB]). `max_query_len`:
+    the longest chunk, if the caller knows it (else read off the device: a sync).
+    Returns [T, H, D] (rows of no chunk untouched: uninitialized)."""
     T, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     if H % KVH or D & (D - 1) or D < 16 or block_size < 16:
         raise ValueError(f"heads {H}/{KVH}, head_dim {D}, block_size {block_size} unsupported")
     block_m = 16
-    max_qlen = int(query_lens.max()) if len(query_lens) else 0
+    max_qlen = max_query_len
+    if max_qlen is None:
+        max_qlen = int(query_lens.max()) if len(query_lens) else 0
     out = torch.empty_like(q)
     if max_qlen == 0:
         return out
@@ -225,6 +240,7 @@ def prefill_attention(
         q, k_cache, v_cache, out, query_starts, query_lens, context_lens, block_tables, scale,
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, GROUP=H // KVH, D=D, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        PRECISION=_precision(k_cache.dtype),
     )  # fmt: skip
     return out
 
@@ -243,7 +259,7 @@ def paged_attention(q, k, v, cache, meta, scale: float) -> torch.Tensor:
         return decode_attention(q, *decode_args)
     out = prefill_attention(
         q, cache.k, cache.v, meta.prefill_starts, meta.prefill_lens, meta.prefill_contexts,
-        meta.prefill_tables, scale,
+        meta.prefill_tables, scale, max(meta.prefill_query_lens),
     )  # fmt: skip
     if nd:
         out[:nd] = decode_attention(q[:nd], *decode_args)

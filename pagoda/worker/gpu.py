@@ -36,8 +36,9 @@ def gpu_kv_budget(
     """Bytes for the KV cache: `gpu_memory_utilization` of the GPU's memory, less what
     is in use now (the weights, the CUDA context, other processes) and the activation
     peak of a forward over `max_num_batched_tokens` prompt tokens (chunks of at most
-    `max_model_len`, each sampling its last token, over a throwaway cache). Raises
-    ValueError when nothing is left."""
+    `max_model_len`, over a throwaway cache) with float32 logits and their log-softmax
+    at every position (what prompt logprobs of a whole step take: the worst case).
+    Raises ValueError when nothing is left."""
     from pagoda.worker.model_runner import attach_kv_cache, kv_cache_shape, prepare_inputs
 
     device = next(model.parameters()).device
@@ -63,12 +64,12 @@ def gpu_kv_budget(
     input_ids, positions, meta, cu_q = prepare_inputs(reqs, block_size, device)
     with forward_context(meta):
         hidden = model(input_ids, positions)
-    rows = min(config.max_num_seqs, tokens)  # a step samples at most this many rows
-    model.compute_logits(hidden[:rows]).float().softmax(-1)
+    model.compute_logits(hidden).float().log_softmax(-1)
     torch.cuda.synchronize(device)
     cache_bytes = cache.data.numel() * cache.data.element_size()
     peak = torch.cuda.max_memory_allocated(device) - before - cache_bytes
-    del cache, hidden
+    attach_kv_cache(model, PagedKVCache(num_layers, 0, block_size, kv_heads, head_dim, dtype))
+    del cache, hidden  # (the layers held views of it until now)
     torch.cuda.empty_cache()
     budget = int(config.gpu_memory_utilization * total) - in_use - peak
     gib = 1 << 30

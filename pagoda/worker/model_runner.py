@@ -108,7 +108,8 @@ class ModelRunner:
         )
         # A GPU: decode steps replay CUDA graphs, captured now for each batch size bucket.
         self.cuda_graphs = None
-        if self.device.type == "cuda" and not model_config.enforce_eager:
+        # (The Triton backend's: the PyTorch twins' attention is not graph-safe.)
+        if self.device.type == "cuda" and not model_config.enforce_eager and self.ops.attention:
             from pagoda.worker.gpu import CUDAGraphRunner
 
             self.cuda_graphs = CUDAGraphRunner(

@@ -8,7 +8,7 @@ GET /dashboard (the live dashboard) and GET /dashboard/events (its feed), GET
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
 400 for bad input (malformed JSON, unknown or mistyped fields, values the
 engine's front door refuses, a prompt too long), 401 without the API key on
-/v1 and /dashboard, 404 for an unknown model or route, 413 for a body over
+/v1, /dashboard and /kv_events, 404 for an unknown model or route, 413 for a body over
 `max_request_body_bytes`, 503 (with Retry-After) when the queue is full or the
 server is stopping. A client that goes away aborts its requests. A request that
 fails while running fails alone (400 if its input was the cause, else 500; in a
@@ -99,8 +99,12 @@ class SSEResponse(StreamingResponse):
 DASHBOARD_COOKIE = "pagoda_api_key"
 
 
+# What the API key guards: the API, the dashboard, and which prefixes are cached.
+_PROTECTED = ("/v1", "/dashboard", "/kv_events")
+
+
 class APIKeyMiddleware:
-    """Every /v1 and /dashboard route needs `Authorization: Bearer <key>`; a browser
+    """Every /v1, /dashboard and /kv_events route needs `Authorization: Bearer <key>`; a browser
     opening the dashboard gives the key once as `?api_key=` (the page then keeps it
     in a cookie for its event stream). The rest stay open."""
 
@@ -121,7 +125,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
-        if path.startswith(("/v1", "/dashboard")) and not self._authorized(scope):
+        if path.startswith(_PROTECTED) and not self._authorized(scope):
             response = _error(
                 401, "Incorrect or missing API key.", "invalid_request_error",
                 code="invalid_api_key",
