@@ -53,7 +53,9 @@ def _replica_urls(metrics_text: str) -> list[str]:
 
 
 def test_replicas_as_ray_actors_and_found_by_a_router(ray_head, tiny_llama):
-    env = {"RAY_ADDRESS": ray_head}
+    # The head's auth mode, for every process of the cluster (a ray.init() earlier in
+    # this process sets RAY_AUTH_MODE=token in its environment, which children inherit).
+    env = {"RAY_ADDRESS": ray_head, "RAY_AUTH_MODE": "disabled"}
     server = RemoteServer(
         tiny_llama, "--data-parallel-size", "2", "--distributed-executor-backend", "ray", env=env
     )
