@@ -36,6 +36,11 @@ def _engine(folder: str) -> LLMEngine:
 def _run(engine: LLMEngine, prompts, params) -> dict:
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    return _finish(engine)
+
+
+def _finish(engine: LLMEngine) -> dict:
+    """Step until nothing is unfinished; each request's final output by id."""
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 import pytest
 from conftest import tiny_prompts
-from test_failure_isolation import _fail_sampling
+from test_failure_isolation import _fail_sampling, _finish
 
 from pagoda import EngineArgs, LLMEngine, SamplingParams
 from pagoda.core.sched_output import ScheduledRequest, SchedulerOutput
@@ -59,15 +59,6 @@ def _pipelined_engine(model: str, num_blocks: int) -> LLMEngine:
     engine.model_runner = InProcessPipeline(engine.model_runner)
     engine._pipeline_depth = 2
     return engine
-
-
-def _finish(engine: LLMEngine) -> dict:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 def test_request_aborted_in_flight_is_not_run_again_over_another(tiny_llama, monkeypatch):
