@@ -222,6 +222,7 @@ class ModelRunner:
             return None
         return StepLogits(reqs, logits, prompt_logits, sched.grammar_bitmask)
 
+    @torch.inference_mode()  # workers call it on its own, not through execute_model
     def sample_step(self, step: StepLogits | None) -> ModelRunnerOutput:
         """Tokens (and logprobs) from the step's logits: on the driver only, after every
         collective, so an error here fails only the requests it belongs to."""
