@@ -12,6 +12,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from tests.conftest import agreement_with_hf_steps, tiny_prompts
 from tests.test_correctness import MAX_TOKENS, hf_greedy, pagoda_greedy
+from tests.test_kv_features import _swap_run
 from tests.test_smollm2 import QUESTIONS, load_hf
 
 pytestmark = [
@@ -53,6 +54,15 @@ def test_cuda_graphs_equal_eager_under_pressure(tiny_llama):
         assert stats.kv_cache.num_blocks_used == 0
         outs[eager] = [[[c.token_ids for c in o.outputs] for o in run] for run in runs]
     assert outs[False] == outs[True]
+
+
+def test_swap_preemption_on_the_gpu(tiny_llama):
+    """Swap-outs copied on the side stream while steps compute, swapped back in: HF's
+    greedy tokens, and every device and host block comes back."""
+    llm = _swap_run(tiny_llama, host_blocks=64, device="cuda")
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions_swap > 0 and stats.kv_cache.num_blocks_used == 0
+    assert llm.llm_engine.kv_cache_manager.host_pool.num_free_blocks == 64
 
 
 def test_kv_cache_from_gpu_memory_utilization(tiny_llama):

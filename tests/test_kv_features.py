@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.attention.kv_cache import PagedKVCache, SwapPool
 from tests.conftest import tiny_prompts
 from tests.test_correctness import MAX_TOKENS, _reference, pagoda_greedy
 
@@ -51,7 +52,7 @@ def test_parallel_sampling_seeded_is_reproducible_and_distinct(tiny_llama):
     assert len({tuple(c.token_ids) for c in a.outputs}) == 4
 
 
-def _swap_run(folder: str, host_blocks: int) -> LLM:
+def _swap_run(folder: str, host_blocks: int, **kwargs) -> LLM:
     """The reference prompts through a 20-block cache that must preempt, in swap mode;
     asserts greedy outputs equal transformers'."""
     prompts, expected = _reference(folder)
@@ -62,6 +63,7 @@ def _swap_run(folder: str, host_blocks: int) -> LLM:
         max_model_len=160,
         preemption_mode="swap",
         swap_space=host_blocks * BLOCK_BYTES,
+        **kwargs,
     )
     assert pagoda_greedy(llm, prompts) == expected
     return llm
@@ -78,6 +80,28 @@ def test_swap_preemption_matches_recompute(tiny_llama):
 def test_swap_falls_back_to_recompute_when_host_pool_is_full(tiny_llama):
     stats = _swap_run(tiny_llama, host_blocks=2).llm_engine.get_stats()
     assert stats.num_preemptions_recompute > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_swap_pool_round_trip(dtype, device):
+    """Blocks swapped out, their device blocks overwritten at once (as a step reusing
+    them would), several swap-outs waiting to land (one host block reused: the later
+    copy wins), then swapped back in elsewhere: the same bits, scales included."""
+    cache = PagedKVCache(2, 12, 4, 2, 8, dtype, device)
+    for t in cache.tensors():
+        t.copy_(torch.randint(0, 100, t.shape, dtype=torch.uint8).view(t.dtype)
+                if t.dtype == torch.uint8 else torch.randn(t.shape).to(t.dtype))  # fmt: skip
+    before = [t.clone() for t in cache.tensors()]
+    swap = SwapPool(cache, 6)
+    swap.swap_out(cache, [3, 7, 1], [5, 0, 2])
+    swap.swap_out(cache, [9], [0])  # host block 0 freed and taken again before landing
+    for t in cache.tensors():
+        t[:, :, [3, 7, 1, 9]] = 0
+    swap.swap_in(cache, [5, 0, 2], [10, 11, 4])
+    for want, got in zip(before, cache.tensors(), strict=True):
+        assert torch.equal(got[:, :, [10, 11, 4]].cpu(), want[:, :, [3, 9, 1]].cpu())
+        assert torch.equal(got[:, :, [3, 7, 1, 9]], torch.zeros_like(got[:, :, [3, 7, 1, 9]]))
 
 
 def test_priority_request_preempts_lower_priority(tiny_llama):

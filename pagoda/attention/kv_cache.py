@@ -101,20 +101,73 @@ class PagedKVCache:
             return LayerKV(self.data[i, 0], self.data[i, 1])
         return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1])
 
-    def like(self, num_blocks: int, pin_memory: bool = False) -> PagedKVCache:
-        """An empty host cache of the same layout with `num_blocks` blocks (the swap
-        pool; page-locked with `pin_memory`, for a GPU's)."""
-        layers, _, _, block_size, heads, head_dim = self.data.shape
-        return PagedKVCache(
-            layers, num_blocks, block_size, heads, head_dim, self.dtype, "cpu", pin_memory
-        )
+    def tensors(self) -> list[torch.Tensor]:
+        """What a block is made of, for moving it: the values (fp8 as its bytes), and
+        the scales if quantized; block ids index dim 2 of each."""
+        return [raw(self.data)] + ([self.scales] if self.scales is not None else [])
 
-    def copy_blocks(self, src: PagedKVCache, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Blocks `src_ids` of `src` (this cache or another, on any device) into blocks
-        `dst_ids` here (between a GPU and the host: one gather, one copy, one scatter)."""
-        device = self.data.device
-        index = torch.tensor(dst_ids, device=device)
-        source = torch.tensor(src_ids, device=src.data.device)
-        raw(self.data)[:, :, index] = raw(src.data)[:, :, source].to(device)
-        if self.scales is not None:
-            self.scales[:, :, index] = src.scales[:, :, source].to(device)
+    def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Blocks `src_ids` into blocks `dst_ids` (copy-on-write), on the cache's device."""
+        source = torch.tensor(src_ids, device=self.data.device)
+        index = torch.tensor(dst_ids, device=self.data.device)
+        for t in self.tensors():
+            t[:, :, index] = t[:, :, source]
+
+
+class SwapPool:
+    """The host pool for swapped-out blocks (same layout as the device's) and the
+    copies to and from it.
+
+    On a GPU the pool is page-locked and a swap-out overlaps the step's compute: its
+    blocks are gathered on the compute stream (so the step may reuse them at once),
+    copied to page-locked staging on a side stream, and scattered into the pool when
+    it is next read (`land`, at the start of the next `move_blocks`: by then the copy
+    is done). A swap-in is a host gather into page-locked staging and an asynchronous
+    copy on the compute stream, which the step's forward waits for in order. On the
+    CPU the same path runs with plain memory and no streams."""
+
+    def __init__(self, device_cache: PagedKVCache, num_blocks: int) -> None:
+        self.device = device_cache.data.device
+        self.pinned = self.device.type == "cuda"
+        layers, _, _, block_size, heads, head_dim = device_cache.data.shape
+        self.cache = PagedKVCache(
+            layers, num_blocks, block_size, heads, head_dim, device_cache.dtype, "cpu", self.pinned
+        )
+        self.side_stream = torch.cuda.Stream(self.device) if self.pinned else None
+        # Swap-outs not yet in the pool: (copy done event or None, staged, host ids).
+        self._landing: list[tuple[torch.cuda.Event | None, list[torch.Tensor], torch.Tensor]] = []
+
+    def swap_out(self, device_cache: PagedKVCache, dev_ids: list[int], host_ids: list[int]) -> None:
+        source = torch.tensor(dev_ids, device=self.device)
+        gathered = [t[:, :, source] for t in device_cache.tensors()]
+        event = None
+        if self.side_stream is not None:
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side_stream):
+                staged = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g in gathered]
+                for host, dev in zip(staged, gathered, strict=True):
+                    host.copy_(dev, non_blocking=True)
+                    dev.record_stream(self.side_stream)  # freed before the copy ran
+                event = torch.cuda.Event()
+                event.record(self.side_stream)
+            gathered = staged
+        self._landing.append((event, gathered, torch.tensor(host_ids)))
+
+    def land(self) -> None:
+        """Scatter finished swap-outs into the pool, oldest first."""
+        for event, staged, host_ids in self._landing:
+            if event is not None:
+                event.synchronize()
+            for pool, blocks in zip(self.cache.tensors(), staged, strict=True):
+                pool[:, :, host_ids] = blocks
+        self._landing.clear()
+
+    def swap_in(self, device_cache: PagedKVCache, host_ids: list[int], dev_ids: list[int]) -> None:
+        self.land()
+        index = torch.tensor(host_ids)
+        dest = torch.tensor(dev_ids, device=self.device)
+        for pool, dev in zip(self.cache.tensors(), device_cache.tensors(), strict=True):
+            shape = (*pool.shape[:2], len(host_ids), *pool.shape[3:])
+            staged = torch.empty(shape, dtype=pool.dtype, pin_memory=self.pinned)
+            torch.index_select(pool, 2, index, out=staged)
+            dev[:, :, dest] = staged.to(self.device, non_blocking=True)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagoda.attention.context import AttentionMetadata, forward_context
-from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache
+from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache, SwapPool
 from pagoda.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.distributed import SINGLE, ParallelContext
@@ -103,9 +103,7 @@ class ModelRunner:
         self.num_host_blocks = cache_config.swap_space_bytes // parallel.sum_over_workers(
             self.bytes_per_block
         )
-        self.host_kv_cache = self.kv_cache.like(
-            self.num_host_blocks, pin_memory=self.device.type == "cuda"
-        )
+        self.swap_pool = SwapPool(self.kv_cache, self.num_host_blocks)
         # A GPU: decode steps replay CUDA graphs, captured now for each batch size bucket.
         self.cuda_graphs = None
         # (The Triton backend's: the PyTorch twins' attention is not graph-safe.)
@@ -268,17 +266,18 @@ class ModelRunner:
     @torch.inference_mode()
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then copies."""
+        self.swap_pool.land()
         if sched.blocks_to_swap_out:
             dev, host = zip(*sched.blocks_to_swap_out, strict=True)
-            self.host_kv_cache.copy_blocks(self.kv_cache, list(dev), list(host))
+            self.swap_pool.swap_out(self.kv_cache, list(dev), list(host))
         if sched.blocks_to_swap_in:
             host, dev = zip(*sched.blocks_to_swap_in, strict=True)
-            self.kv_cache.copy_blocks(self.host_kv_cache, list(host), list(dev))
+            self.swap_pool.swap_in(self.kv_cache, list(host), list(dev))
         if sched.blocks_to_copy:
             src, dst = zip(*sched.blocks_to_copy, strict=True)
-            self.kv_cache.copy_blocks(self.kv_cache, list(src), list(dst))
+            self.kv_cache.copy_blocks(list(src), list(dst))
             if self.drafter is not None:  # the request keeps its draft positions
-                self.drafter.kv_cache.copy_blocks(self.drafter.kv_cache, list(src), list(dst))
+                self.drafter.kv_cache.copy_blocks(list(src), list(dst))
 
     def _embed_with_images(
         self, reqs: list[ScheduledRequest], input_ids: torch.Tensor, cu_q: torch.Tensor
