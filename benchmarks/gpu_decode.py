@@ -29,8 +29,6 @@ def weight_and_kv_bytes(engine_kwargs: dict) -> tuple[int, int]:
     runner = engine.model_runner
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     per_token = runner.bytes_per_block // engine.cache_config.block_size
-    del engine, runner
-    torch.cuda.empty_cache()
     return weights, per_token
 
 

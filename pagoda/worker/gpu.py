@@ -13,6 +13,7 @@ buffers; a decode step copies its inputs in, pads up to the bucket and replays.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -42,6 +43,7 @@ def gpu_kv_budget(
     from pagoda.worker.model_runner import attach_kv_cache, kv_cache_shape, prepare_inputs
 
     device = next(model.parameters()).device
+    gc.collect()  # engines dropped earlier in this process (in cycles) free their memory first
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -113,6 +115,7 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(largest, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        free_before = torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()  # one memory pool, largest graph first
         for b in reversed(self.buckets):
             with forward_context(self._meta(b)):
@@ -123,7 +126,12 @@ class CUDAGraphRunner:
                     self.outputs[b] = model(self.input_ids[:b], self.positions[:b])
             self.graphs[b] = graph
         torch.cuda.synchronize(device)
-        logger.info("CUDA graphs captured for decode batches of %s", self.buckets)
+        # (Beyond gpu_memory_utilization's share: the pool holds the activations of a
+        # step of at most MAX_GRAPH_BATCH tokens, small next to the profiled peak.)
+        logger.info(
+            "CUDA graphs captured for decode batches of %s: %.0f MiB of GPU memory",
+            self.buckets, (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20,
+        )  # fmt: skip
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
