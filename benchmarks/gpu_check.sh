@@ -5,8 +5,8 @@
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      # default: $OUT, else ./gpu-check
 #
-# 1. pagoda installed without dependencies (the machine's torch stays), and which of
-#    its dependencies the machine lacks;
+# 1. pagoda installed without dependencies or a build environment (the machine's torch
+#    stays), and which of its dependencies the machine lacks;
 # 2. the Triton kernels against their PyTorch twins, on the GPU;
 # 3. the tests marked gpu (greedy fp32 exact vs HF, CUDA graphs = eager, the KV cache
 #    from gpu_memory_utilization, SmolLM2 bf16 agreement, no block leaked);
@@ -37,7 +37,10 @@ step() {  # step NAME COMMAND...: run it under the time limit, keep its output
 { nvidia-smi; python -c "import torch, triton; print('torch', torch.__version__, 'cuda',
 torch.version.cuda, 'triton', triton.__version__)"; } >"$out/machine.txt" 2>&1
 head -n 20 "$out/machine.txt"
-step install python -m pip install -q --no-deps -e .
+# No registry there: no isolated build environment either (it would fetch setuptools);
+# and the repository on the path, so that a failed install still runs everything.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+step install python -m pip install -q --no-deps --no-build-isolation -e .
 python - >"$out/missing.txt" 2>&1 <<'PY'
 import importlib.util, re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]

@@ -457,6 +457,14 @@ class EngineArgs:
     def _cuda_refusal(self, hf_config: dict[str, Any]) -> str | None:
         """What the GPU path does not run yet, by field (None: it runs this)."""
         arch = hf_config["architectures"][0]
+        head_dim = hf_config.get("head_dim") or (
+            hf_config["hidden_size"] // hf_config["num_attention_heads"]
+        )
+        tiles = "a power of 2 of at least 16 (the Triton attention's tiles)"
+        if not _tile_size(self.block_size):
+            return f"block_size {self.block_size} on device 'cuda' must be {tiles}"
+        if not _tile_size(head_dim):
+            return f"model {arch!r}: head_dim {head_dim} on device 'cuda' must be {tiles}"
         refusals = {
             "quantization": self.quantization not in ("auto", "none"),
             "kernel_backend": self.kernel_backend not in ("auto", "torch", "triton"),
@@ -610,3 +618,7 @@ def default_kv_cache_bytes() -> int:
     import psutil
 
     return int(min(4 << 30, psutil.virtual_memory().available // 4))
+
+
+def _tile_size(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0

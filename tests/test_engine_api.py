@@ -140,17 +140,24 @@ def test_bad_engine_args(tiny_llama, tmp_path):
             LLM(tiny_llama, device="cuda")
 
 
-def test_what_the_gpu_path_refuses_is_named(tiny_llama):
+def test_what_the_gpu_path_refuses_is_named(tiny_llama, tmp_path):
     """On device "cuda", what it does not run yet is refused by its field (checked
     here without a GPU: the check comes before any device is touched)."""
+    odd_heads = str(tmp_path / "head-dim-24")
+    shutil.copytree(tiny_llama, odd_heads)
+    cfg = json.loads((tmp_path / "head-dim-24" / "config.json").read_text())
+    (tmp_path / "head-dim-24" / "config.json").write_text(json.dumps({**cfg, "head_dim": 24}))
     for kwargs, field in (
         (dict(quantization="q8_0"), "quantization"),
         (dict(enable_lora=True), "enable_lora"),
         (dict(tensor_parallel_size=2), "tensor_parallel_size"),
         (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
         (dict(speculative_config={"method": "draft"}), "speculative_config"),
+        (dict(block_size=8), "block_size 8 .* power of 2"),
+        (dict(block_size=24), "block_size 24"),
+        (dict(model=odd_heads), "head_dim 24"),
     ):
-        args = EngineArgs(model=tiny_llama, device="cuda", **kwargs)
+        args = EngineArgs(**{"model": tiny_llama, "device": "cuda", **kwargs})
         args.resolved_device = lambda warn=False: "cuda"  # as on a machine with a GPU
         with pytest.raises(ValueError, match=field):
             args.create_model_config()

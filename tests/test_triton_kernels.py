@@ -41,8 +41,8 @@ def _paged_cache(lens, block_size, kv_heads, head_dim, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "block_size, head_dim, heads, kv_heads",
-    [(16, 64, 4, 4), (16, 128, 6, 2), (32, 64, 8, 1), (32, 128, 3, 1)],
-    ids=["gqa1-bs16-d64", "gqa3-bs16-d128", "gqa8-bs32-d64", "gqa3-bs32-d128"],
+    [(16, 64, 4, 4), (16, 128, 6, 2), (32, 64, 8, 1), (32, 128, 3, 1), (16, 64, 16, 1)],
+    ids=["gqa1-bs16-d64", "gqa3-bs16-d128", "gqa8-bs32-d64", "gqa3-bs32-d128", "gqa16-dot"],
 )
 def test_decode_attention(dtype, block_size, head_dim, heads, kv_heads):
     lens = [1, block_size, 3 * block_size + 5, 37]  # ragged, on and off block edges
@@ -53,9 +53,32 @@ def test_decode_attention(dtype, block_size, head_dim, heads, kv_heads):
     safe_tables = tables.clamp(max=k_cache.shape[0] - 1)  # the twin gathers every entry
     want = torch_ops.decode_attention(q, k_cache, v_cache, safe_tables, seq_lens, scale)
     on = [t.to(DEVICE) for t in (q, k_cache, v_cache, tables, seq_lens)]
-    for num_splits in (None, 1, 3):  # one split, uneven splits, splits past the end
-        got = triton_ops.decode_attention(*on, scale, num_splits=num_splits)
+    # A split per block, uneven splits with some past a row's end, one split a row.
+    for min_blocks in (1, 3, triton_ops.MIN_BLOCKS_PER_SPLIT):
+        got = triton_ops.decode_attention(*on, scale, min_blocks_per_split=min_blocks)
         torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+
+
+def test_decode_splits_are_each_rows_own():
+    """A row's result is the same bits alone as in a batch with a wider table (what a
+    CUDA graph replays: padded rows, the full table width), and a row past
+    MAX_SPLITS x min_blocks gets longer splits, not more."""
+    block_size, lens = 16, [3, 40, 131 * 16 + 3]
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, 2, 64, torch.float32, 2)
+    q = torch.randn(len(lens), 4, 64)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    on = [t.to(DEVICE) for t in (q, k_cache, v_cache)]
+    args = dict(scale=0.125, min_blocks_per_split=1)
+    batch = triton_ops.decode_attention(*on, tables.to(DEVICE), seq_lens.to(DEVICE), **args)
+    safe_tables = tables.clamp(max=k_cache.shape[0] - 1)
+    want = torch_ops.decode_attention(q, k_cache, v_cache, safe_tables, seq_lens, 0.125)
+    torch.testing.assert_close(batch.cpu(), want, **TOL[torch.float32])
+    for i, n in enumerate(lens):
+        table = tables[i : i + 1, : -(-n // block_size)].to(DEVICE)
+        alone = triton_ops.decode_attention(
+            on[0][i : i + 1], *on[1:], table, seq_lens[i : i + 1].to(DEVICE), **args
+        )
+        assert torch.equal(alone, batch[i : i + 1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -36,72 +36,89 @@ def _precision(cache_dtype: torch.dtype) -> str:
     return "ieee" if cache_dtype == torch.float32 else "tf32"
 
 
+# A row's context is cut into at most MAX_SPLITS pieces of at least `min_blocks`
+# blocks each, by its own length alone: a step's other rows, its table width and
+# CUDA-graph padding change nothing (replays and eager steps sum in the same order).
+MAX_SPLITS = 64
+MIN_BLOCKS_PER_SPLIT = 4
+
+
 @triton.jit
+def _row_splits(seq_len, min_blocks, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(blocks of the row, blocks per split, the row's splits)."""
+    blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    per_split = tl.maximum(min_blocks, (blocks + MAX_SPLITS - 1) // MAX_SPLITS)
+    return blocks, per_split, (blocks + per_split - 1) // per_split
+
+
+@triton.jit(do_not_specialize=["scale", "min_blocks", "num_splits", "stride_tb"])
 def _decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr,  # inputs
     m_ptr, l_ptr, acc_ptr,  # partial results [B, H, S] and [B, H, S, D]
-    scale, blocks_per_split, num_splits,  # run-time: no compile per table width
+    scale, min_blocks, num_splits,  # run-time: no compile per table width
     stride_tb, stride_kn, stride_kb, stride_kh,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
+    blocks, per_split, _ = _row_splits(seq_len, min_blocks, BLOCK_SIZE, MAX_SPLITS)
+    first = split * per_split
+    count = tl.minimum(per_split, blocks - first)  # <= 0: a split past the row's end
     heads = kvh * GROUP + tl.arange(0, GROUP_PAD)  # this KV head's query heads
-    head_ok = tl.arange(0, GROUP_PAD) < GROUP
+    head_ok = tl.arange(0, GROUP_PAD) < tl.where(count > 0, GROUP, 0)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0)
     q = q.to(tl.float32) * scale
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741 (the softmax's sum, as in the papers)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    first = split * blocks_per_split
     t = tl.arange(0, BLOCK_SIZE)
-    for i in range(blocks_per_split):
+    for i in range(count):
         logical = first + i
-        pos = logical * BLOCK_SIZE + t
-        ok = pos < seq_len
-        if logical * BLOCK_SIZE < seq_len:
-            block = tl.load(tables_ptr + b * stride_tb + logical)
-            base = block.to(tl.int64) * stride_kn + kvh * stride_kh
-            offs = base + t[:, None] * stride_kb + d[None, :]
-            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-            s = (
-                tl.dot(q, tl.trans(k), input_precision=PRECISION)
-                if GROUP_PAD >= 16
-                else tl.sum(q[:, None, :] * k[None, :, :], 2)
-            )
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)  # noqa: E741
-            pv = (
-                tl.dot(p, v, input_precision=PRECISION)
-                if GROUP_PAD >= 16
-                else tl.sum(p[:, :, None] * v[None, :, :], 1)
-            )
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+        ok = logical * BLOCK_SIZE + t < seq_len
+        block = tl.load(tables_ptr + b * stride_tb + logical)
+        offs = (
+            block.to(tl.int64) * stride_kn + kvh * stride_kh + t[:, None] * stride_kb + d[None, :]
+        )
+        k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        s = (
+            tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if GROUP_PAD >= 16
+            else tl.sum(q[:, None, :] * k[None, :, :], 2)
+        )
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        pv = (
+            tl.dot(p, v, input_precision=PRECISION)
+            if GROUP_PAD >= 16
+            else tl.sum(p[:, :, None] * v[None, :, :], 1)
+        )
+        acc = acc * alpha[:, None] + pv
+        m = m_new
     out = (b * H + heads) * num_splits + split
-    tl.store(m_ptr + out, m, mask=head_ok)
+    tl.store(m_ptr + out, m, mask=head_ok)  # (a split past the end writes nothing)
     tl.store(l_ptr + out, l, mask=head_ok)
     tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=head_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["min_blocks", "num_splits"])
 def _decode_merge(
-    m_ptr, l_ptr, acc_ptr, o_ptr, num_splits,
-    D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    m_ptr, l_ptr, acc_ptr, o_ptr, lens_ptr, min_blocks, num_splits,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)  # b * H + h
-    s = tl.arange(0, SPLITS_PAD)
-    valid = s < num_splits
+    seq_len = tl.load(lens_ptr + row // H)
+    _, _, splits = _row_splits(seq_len, min_blocks, BLOCK_SIZE, MAX_SPLITS)
+    s = tl.arange(0, MAX_SPLITS)
+    valid = s < splits  # the row's own splits: each saw at least one key
     m = tl.load(m_ptr + row * num_splits + s, mask=valid, other=float("-inf"))
     l = tl.load(l_ptr + row * num_splits + s, mask=valid, other=0.0)  # noqa: E741
-    m_all = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # splits past the end: weight 0
+    w = tl.where(valid, tl.exp(m - tl.max(m, 0)), 0.0)
     d = tl.arange(0, D)
     acc = tl.load(
         acc_ptr + (row * num_splits + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0
@@ -119,11 +136,11 @@ def decode_attention(
     scale: float,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    num_splits: int | None = None,
+    min_blocks_per_split: int = MIN_BLOCKS_PER_SPLIT,
 ) -> torch.Tensor:
     """`torch_ops.decode_attention`: q [B, H, D], caches [N, bs, KVH, D], block_tables
-    [B, MB], seq_lens [B] (each >= 1) -> [B, H, D]. `num_splits`: how many pieces of
-    the context run in parallel (default: 4 blocks each, at most 64 pieces)."""
+    [B, MB], seq_lens [B] (each >= 1) -> [B, H, D]. Each row's context runs in up to
+    MAX_SPLITS parallel pieces of at least `min_blocks_per_split` blocks."""
     if k_scales is not None or v_scales is not None:
         raise NotImplementedError("decode_attention (Triton): quantized KV caches")
     B, H, D = q.shape
@@ -132,30 +149,29 @@ def decode_attention(
         raise ValueError(
             f"heads {H} over {KVH} KV heads, head_dim {D}: need H % KVH == 0, D a power of 2"
         )
-    max_blocks = block_tables.shape[1]
-    if num_splits is None:
-        num_splits = max(1, min(64, triton.cdiv(max_blocks, 4)))
-    blocks_per_split = triton.cdiv(max_blocks, num_splits)
+    # The grid's splits: enough for a row as wide as the table.
+    num_splits = min(MAX_SPLITS, triton.cdiv(block_tables.shape[1], min_blocks_per_split))
     group = H // KVH
     m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)  # noqa: E741
     acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
     q = q.contiguous()
     _decode_partial[(B, KVH, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale, blocks_per_split,
+        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale, min_blocks_per_split,
         num_splits,
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), D=D,
-        BLOCK_SIZE=block_size, PRECISION=_precision(k_cache.dtype),
+        BLOCK_SIZE=block_size, MAX_SPLITS=MAX_SPLITS, PRECISION=_precision(k_cache.dtype),
     )  # fmt: skip
     out = torch.empty_like(q)
     _decode_merge[(B * H,)](
-        m, l, acc, out, num_splits, D=D, SPLITS_PAD=triton.next_power_of_2(num_splits)
-    )
+        m, l, acc, out, seq_lens, min_blocks_per_split, num_splits,
+        H=H, D=D, BLOCK_SIZE=block_size, MAX_SPLITS=MAX_SPLITS,
+    )  # fmt: skip
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["scale", "stride_tb"])
 def _prefill_attention(
     q_ptr, k_ptr, v_ptr, o_ptr, starts_ptr, qlens_ptr, ctx_ptr, tables_ptr,
     scale,

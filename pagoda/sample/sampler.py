@@ -154,7 +154,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
         kernels.apply_token_bitmask(out, torch.tensor(rows, dtype=torch.int64), bitmask)
         return out
     # Little-endian int32 words: byte i holds tokens 8i .. 8i + 7.
-    bits = bitmask.view(torch.uint8).unsqueeze(-1) >> _BYTE_BITS.to(out.device)
+    bits = bitmask.view(torch.uint8).unsqueeze(-1) >> _BYTE_BITS.to(out.device, non_blocking=True)
     allowed = (bits & 1).view(len(rows), -1)[:, : out.shape[1]].bool()
     out[rows] = torch.where(allowed, out[rows], float("-inf"))
     return out

@@ -215,7 +215,11 @@ class ModelRunner:
         for i, r in sampling:
             end = int(cu_q[i + 1])
             rows += range(end - 1 - r.num_draft_tokens, end)
-        logits = self.model.compute_logits(hidden[rows]) if rows else None  # [rows, V]
+        logits = None
+        if rows:  # every row (decodes without drafts): no gather, no index to copy
+            if len(rows) < hidden.shape[0]:
+                hidden = hidden[torch.tensor(rows).to(hidden.device, non_blocking=True)]
+            logits = self.model.compute_logits(hidden)  # [rows, V]
         if not self.parallel.is_driver:  # it took part in the gathers; the driver samples
             return None
         return StepLogits(reqs, logits, prompt_logits, sched.grammar_bitmask)
@@ -363,7 +367,10 @@ def prepare_inputs(
         prefill_tables=block_tables[num_decode_reqs:],
     )
     if device.type != "cpu":
-        input_ids, positions = input_ids.to(device), positions.to(device)
+        # (From pageable memory an asynchronous copy is staged at once: no wait for
+        # the device, and the host tensors may go.)
+        input_ids = input_ids.to(device, non_blocking=True)
+        positions = positions.to(device, non_blocking=True)
         meta = meta.to(device)
     return input_ids, positions, meta, cu_q
 
