@@ -5,6 +5,8 @@ before the kernels are defined), so every commit tests them."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -206,3 +208,17 @@ def test_engine_on_the_triton_backend_matches_the_torch_one(tiny_llama):
         outputs[backend] = [[[c.token_ids for c in o.outputs] for o in run] for run in runs]
     assert outputs["triton"] == outputs["torch"]
     assert outputs["triton"][2] == outputs["triton"][0]  # the cached pass
+
+
+def test_kernels_compile_for_a_hopper_gpu():
+    """Every kernel through Triton's compiler and ptxas for sm_90 (tests/
+    compile_triton_kernels.py, in a process without the interpreter): what the
+    interpreter lets through and a GPU would not fails here, on every commit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # a GPU's default; silences Triton's notice
+    script = os.path.join(os.path.dirname(__file__), "compile_triton_kernels.py")
+    done = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ok ") == 39, done.stdout

@@ -1,0 +1,93 @@
+"""Compile every Triton kernel of pagoda/ops/triton_ops.py for an H100/H200 (sm_90),
+on the CPU: Triton's own front end and its bundled ptxas, no GPU or driver needed.
+What the interpreter (TRITON_INTERPRET=1) lets through and a GPU would not (tile
+shapes tl.dot refuses, non-power-of-2 aranges, type errors in the lowering, register
+spills ptxas reports) fails here. Run in a process of its own, without the
+interpreter (tests/test_triton_kernels.py does); prints one line per kernel and
+exits 1 if any failed.
+
+    python tests/compile_triton_kernels.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pagoda.ops import triton_ops as ops  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # Hopper: an H100 or H200
+
+
+def compile_kernel(fn, types: dict[str, str], constants: dict, label: str) -> bool:
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    try:
+        triton.compile(ASTSource(fn, signature, constants), target=TARGET)
+    except Exception as e:  # noqa: BLE001 (report every kernel, then fail)
+        print(f"FAIL {label}: {type(e).__name__}: {str(e)[:2000]}")
+        return False
+    print(f"ok   {label}")
+    return True
+
+
+def main() -> int:
+    results = []
+    ints = dict.fromkeys(["stride_tb", "stride_kn", "stride_kb", "stride_kh"], "i64")
+    for dt in ("fp32", "bf16", "fp16"):
+        precision = "ieee" if dt == "fp32" else "tf32"
+        # (query heads per KV head, head_dim, block_size): SmolLM2-135M, Llama-3-8B, a
+        # wide group (tl.dot's path), a larger block.
+        for group, d, bs in ((3, 64, 16), (4, 128, 16), (16, 128, 16), (8, 128, 32)):
+            attention = dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", scale="fp32", **ints)
+            decode = dict(attention, tables_ptr="*i64", lens_ptr="*i64", m_ptr="*fp32",
+                          l_ptr="*fp32", acc_ptr="*fp32", min_blocks="i32", num_splits="i32")  # fmt: skip
+            heads = dict(H=group * 3, GROUP=group, D=d, BLOCK_SIZE=bs, PRECISION=precision)
+            label = f"{dt} group {group} head_dim {d} block {bs}"
+            results.append(compile_kernel(
+                ops._decode_partial, decode,
+                dict(heads, GROUP_PAD=triton.next_power_of_2(group), MAX_SPLITS=ops.MAX_SPLITS),
+                f"decode partial, {label}",
+            ))  # fmt: skip
+            prefill = dict(attention, o_ptr=f"*{dt}", starts_ptr="*i64", qlens_ptr="*i64",
+                           ctx_ptr="*i64", tables_ptr="*i64")  # fmt: skip
+            results.append(compile_kernel(
+                ops._prefill_attention, prefill, dict(heads, BLOCK_M=16), f"prefill, {label}"
+            ))  # fmt: skip
+        merge = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", o_ptr=f"*{dt}",
+                     lens_ptr="*i64", min_blocks="i32", num_splits="i32")  # fmt: skip
+        results.append(compile_kernel(
+            ops._decode_merge, merge,
+            dict(H=9, D=128, BLOCK_SIZE=16, MAX_SPLITS=ops.MAX_SPLITS), f"decode merge, {dt}",
+        ))  # fmt: skip
+        results += [
+            compile_kernel(
+                ops._add_rms_norm, dict(x_ptr=f"*{dt}", res_ptr=f"*{dt}", w_ptr=f"*{dt}",
+                                        n="i32", eps="fp32"),
+                dict(BLOCK=4096), f"add_rms_norm, {dt}",
+            ),
+            compile_kernel(
+                ops._rotary, dict(qk_ptr=f"*{dt}", pos_ptr="*i64", cos_ptr="*fp32",
+                                  sin_ptr="*fp32", heads="i32"),
+                dict(HALF=32, HALF_PAD=32), f"rotary, {dt}",
+            ),
+            compile_kernel(
+                ops._silu_and_mul, dict(x_ptr=f"*{dt}", o_ptr=f"*{dt}", inter="i32"),
+                dict(BLOCK=1024), f"silu_and_mul, {dt}",
+            ),
+            compile_kernel(
+                ops._write_kv, dict(k_ptr=f"*{dt}", v_ptr=f"*{dt}", kc_ptr=f"*{dt}",
+                                    vc_ptr=f"*{dt}", slot_ptr="*i64"),
+                dict(ROW=192, ROW_PAD=256), f"write_kv, {dt}",
+            ),
+        ]  # fmt: skip
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
