@@ -38,8 +38,10 @@ class SamplingTensors:
     presence: torch.Tensor | None = None  # [B] (penalties present: all four set)
     frequency: torch.Tensor | None = None  # [B]
     repetition: torch.Tensor | None = None  # [B]
-    output_counts: torch.Tensor | None = None  # [B, V] float32
-    seen_mask: torch.Tensor | None = None  # [B, V] bool: in prompt or output
+    # Each row's output and prompt ids, padded with V: small to build and copy; the
+    # dense [B, V] counts are made from them on the logits' device.
+    output_ids: torch.Tensor | None = None  # [B, W] int64
+    prompt_ids: torch.Tensor | None = None  # [B, W'] int64
     # Rows under a grammar, and their token bitmask [rows, ceil(V / 32)] int32.
     grammar: tuple[list[int], torch.Tensor] | None = None
 
@@ -119,20 +121,20 @@ class SamplingTensors:
         self.presence = torch.tensor([p.presence_penalty for p in params])
         self.frequency = torch.tensor([p.frequency_penalty for p in params])
         self.repetition = torch.tensor([p.repetition_penalty for p in params])
-        outputs = [r.output_token_ids or [] for r in reqs]
-        prompts = [r.prompt_token_ids or [] for r in reqs]
-        self.output_counts = _counts(outputs, vocab_size)
-        self.seen_mask = (self.output_counts > 0) | (_counts(prompts, vocab_size) > 0)
+        self.output_ids = _padded([r.output_token_ids or [] for r in reqs], vocab_size)
+        self.prompt_ids = _padded([r.prompt_token_ids or [] for r in reqs], vocab_size)
 
 
-def _counts(token_lists: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 occurrence counts; one scatter for the whole batch."""
+def _padded(token_lists: list[list[int]], pad: int) -> torch.Tensor:
     width = max((len(t) for t in token_lists), default=0)
-    counts = torch.zeros(len(token_lists), vocab_size + 1)
-    if width:
-        # Pad with a dummy column (vocab_size) that is dropped afterwards.
-        ids = torch.tensor([t + [vocab_size] * (width - len(t)) for t in token_lists])
-        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return torch.tensor([t + [pad] * (width - len(t)) for t in token_lists], dtype=torch.int64)
+
+
+def _counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 occurrence counts of padded ids [B, W] (pad: vocab_size, a dummy
+    column dropped afterwards), on their device; one scatter for the whole batch."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
 
 
@@ -178,11 +180,13 @@ def apply_logits_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.
             accumulate=True,
         )
     if st.repetition is not None:
+        output_counts = _counts(st.output_ids, logits.shape[1])
+        seen = (output_counts > 0) | (_counts(st.prompt_ids, logits.shape[1]) > 0)
         rep = st.repetition.unsqueeze(1)
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(st.seen_mask, penalized, logits)
-        logits = logits - st.frequency.unsqueeze(1) * st.output_counts
-        logits = logits - st.presence.unsqueeze(1) * (st.output_counts > 0)
+        logits = torch.where(seen, penalized, logits)
+        logits = logits - st.frequency.unsqueeze(1) * output_counts
+        logits = logits - st.presence.unsqueeze(1) * (output_counts > 0)
     return logits
 
 
