@@ -2,7 +2,7 @@
 on the CPU: Triton's own front end and its bundled ptxas, no GPU or driver needed.
 What the interpreter (TRITON_INTERPRET=1) lets through and a GPU would not (tile
 shapes tl.dot refuses, non-power-of-2 aranges, type errors in the lowering, register
-spills ptxas reports) fails here. Run in a process of its own, without the
+spills) fails here. Run in a process of its own, without the
 interpreter (tests/test_triton_kernels.py does); prints one line per kernel and
 exits 1 if any failed.
 
@@ -12,7 +12,10 @@ exits 1 if any failed.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -25,12 +28,32 @@ from pagoda.ops import triton_ops as ops  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper: an H100 or H200
 
 
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+
+
+def stack_bytes(cubin: bytes) -> int | None:
+    """The kernel's stack frame (registers spilled to local memory), by cuobjdump
+    (bundled with Triton); None where it is not."""
+    if not os.path.exists(CUOBJDUMP):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"STACK:(\d+)", usage.stdout)
+    return int(found.group(1)) if found else None
+
+
 def compile_kernel(fn, types: dict[str, str], constants: dict, label: str) -> bool:
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     try:
-        triton.compile(ASTSource(fn, signature, constants), target=TARGET)
+        kernel = triton.compile(ASTSource(fn, signature, constants), target=TARGET)
     except Exception as e:  # noqa: BLE001 (report every kernel, then fail)
         print(f"FAIL {label}: {type(e).__name__}: {str(e)[:2000]}")
+        return False
+    stack = stack_bytes(kernel.asm["cubin"])
+    if stack:  # a spill: slow, and the sign of a tile too large for the registers
+        print(f"FAIL {label}: {stack} bytes of registers spilled to the stack")
         return False
     print(f"ok   {label}")
     return True
@@ -51,7 +74,7 @@ def main() -> int:
             label = f"{dt} group {group} head_dim {d} block {bs}"
             results.append(compile_kernel(
                 ops._decode_partial, decode,
-                dict(heads, GROUP_PAD=triton.next_power_of_2(group), MAX_SPLITS=ops.MAX_SPLITS),
+                dict(heads, GROUP_PAD=ops.group_pad(group), MAX_SPLITS=ops.MAX_SPLITS),
                 f"decode partial, {label}",
             ))  # fmt: skip
             prefill = dict(attention, o_ptr=f"*{dt}", starts_ptr="*i64", qlens_ptr="*i64",

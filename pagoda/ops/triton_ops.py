@@ -43,6 +43,13 @@ MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4
 
 
+def group_pad(group: int) -> int:
+    """A KV head's query heads, padded to tl.dot's 16 rows at least: the decode's dot
+    products run on tensor cores, with a [16, D] accumulator instead of a [group,
+    block, D] product (which spills registers from group 8 on)."""
+    return max(16, triton.next_power_of_2(group))
+
+
 @triton.jit
 def _row_splits(seq_len, min_blocks, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """(blocks of the row, blocks per split, the row's splits)."""
@@ -83,22 +90,13 @@ def _decode_partial(
         )
         k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-        s = (
-            tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            if GROUP_PAD >= 16
-            else tl.sum(q[:, None, :] * k[None, :, :], 2)
-        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        pv = (
-            tl.dot(p, v, input_precision=PRECISION)
-            if GROUP_PAD >= 16
-            else tl.sum(p[:, :, None] * v[None, :, :], 1)
-        )
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
     out = (b * H + heads) * num_splits + split
     tl.store(m_ptr + out, m, mask=head_ok)  # (a split past the end writes nothing)
@@ -160,7 +158,7 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale, min_blocks_per_split,
         num_splits,
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        H=H, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), D=D,
+        H=H, GROUP=group, GROUP_PAD=group_pad(group), D=D,
         BLOCK_SIZE=block_size, MAX_SPLITS=MAX_SPLITS, PRECISION=_precision(k_cache.dtype),
     )  # fmt: skip
     out = torch.empty_like(q)
