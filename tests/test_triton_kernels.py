@@ -210,6 +210,7 @@ def test_engine_on_the_triton_backend_matches_the_torch_one(tiny_llama):
     assert outputs["triton"][2] == outputs["triton"][0]  # the cached pass
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels run on the GPU itself")
 def test_kernels_compile_for_a_hopper_gpu():
     """Every kernel through Triton's compiler and ptxas for sm_90 (tests/
     compile_triton_kernels.py, in a process without the interpreter): what the
