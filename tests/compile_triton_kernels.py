@@ -35,6 +35,7 @@ def stack_bytes(cubin: bytes) -> int | None:
     """The kernel's stack frame (registers spilled to local memory), by cuobjdump
     (bundled with Triton); None where it is not."""
     if not os.path.exists(CUOBJDUMP):
+        print(f"(no {CUOBJDUMP}: spills not checked)")
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

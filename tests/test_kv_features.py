@@ -102,6 +102,14 @@ def test_swap_pool_round_trip(dtype, device):
     for want, got in zip(before, cache.tensors(), strict=True):
         assert torch.equal(got[:, :, [10, 11, 4]].cpu(), want[:, :, [3, 9, 1]].cpu())
         assert torch.equal(got[:, :, [3, 7, 1, 9]], torch.zeros_like(got[:, :, [3, 7, 1, 9]]))
+    # A swap-in of landed blocks does not wait for a swap-out of others in flight.
+    swap.swap_out(cache, [10], [3])
+    swap.swap_in(cache, [5], [7])
+    assert len(swap._landing) == 1
+    swap.land()
+    swap.swap_in(cache, [3], [1])
+    for want, got in zip(before, cache.tensors(), strict=True):
+        assert torch.equal(got[:, :, [7, 1]].cpu(), want[:, :, [3, 3]].cpu())
 
 
 def test_priority_request_preempts_lower_priority(tiny_llama):

@@ -118,27 +118,32 @@ class SwapPool:
     """The host pool for swapped-out blocks (same layout as the device's) and the
     copies to and from it.
 
-    On a GPU the pool is page-locked and a swap-out overlaps the step's compute: its
-    blocks are gathered on the compute stream (so the step may reuse them at once),
-    copied to page-locked staging on a side stream, and scattered into the pool when
-    it is next read (`land`, at the start of the next `move_blocks`: by then the copy
-    is done). A swap-in is a host gather into page-locked staging and an asynchronous
-    copy on the compute stream, which the step's forward waits for in order. On the
-    CPU the same path runs with plain memory and no streams."""
+    On a GPU a swap-out overlaps the step's compute: its blocks are gathered on the
+    compute stream (so the step may reuse them at once), copied to page-locked
+    staging on a side stream, and scattered into the pool when it is next read
+    (`land`, at the start of the next `move_blocks`: by then the copy is done). A
+    swap-in is a host gather into page-locked staging and an asynchronous copy on the
+    compute stream, which the step's forward waits for in order. Only the staging is
+    page-locked: the pool itself is touched by the host alone. On the CPU the same
+    path runs with plain memory and no streams."""
 
     def __init__(self, device_cache: PagedKVCache, num_blocks: int) -> None:
         self.device = device_cache.data.device
         self.pinned = self.device.type == "cuda"
         layers, _, _, block_size, heads, head_dim = device_cache.data.shape
         self.cache = PagedKVCache(
-            layers, num_blocks, block_size, heads, head_dim, device_cache.dtype, "cpu", self.pinned
+            layers, num_blocks, block_size, heads, head_dim, device_cache.dtype, "cpu"
         )
         self.side_stream = torch.cuda.Stream(self.device) if self.pinned else None
         # Swap-outs not yet in the pool: (copy done event or None, staged, host ids).
-        self._landing: list[tuple[torch.cuda.Event | None, list[torch.Tensor], torch.Tensor]] = []
+        self._landing: list[tuple[torch.cuda.Event | None, list[torch.Tensor], list[int]]] = []
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device (copied from pageable memory without waiting)."""
+        return torch.tensor(ids).to(self.device, non_blocking=True)
 
     def swap_out(self, device_cache: PagedKVCache, dev_ids: list[int], host_ids: list[int]) -> None:
-        source = torch.tensor(dev_ids, device=self.device)
+        source = self._ids(dev_ids)
         gathered = [t[:, :, source] for t in device_cache.tensors()]
         event = None
         if self.side_stream is not None:
@@ -151,21 +156,24 @@ class SwapPool:
                 event = torch.cuda.Event()
                 event.record(self.side_stream)
             gathered = staged
-        self._landing.append((event, gathered, torch.tensor(host_ids)))
+        self._landing.append((event, gathered, host_ids))
 
     def land(self) -> None:
         """Scatter finished swap-outs into the pool, oldest first."""
         for event, staged, host_ids in self._landing:
             if event is not None:
                 event.synchronize()
+            index = torch.tensor(host_ids)
             for pool, blocks in zip(self.cache.tensors(), staged, strict=True):
-                pool[:, :, host_ids] = blocks
+                pool[:, :, index] = blocks
         self._landing.clear()
 
     def swap_in(self, device_cache: PagedKVCache, host_ids: list[int], dev_ids: list[int]) -> None:
-        self.land()
+        wanted = set(host_ids)
+        if any(wanted.intersection(ids) for _, _, ids in self._landing):
+            self.land()  # (not the case from the scheduler: it would wait for the copy)
         index = torch.tensor(host_ids)
-        dest = torch.tensor(dev_ids, device=self.device)
+        dest = self._ids(dev_ids)
         for pool, dev in zip(self.cache.tensors(), device_cache.tensors(), strict=True):
             shape = (*pool.shape[:2], len(host_ids), *pool.shape[3:])
             staged = torch.empty(shape, dtype=pool.dtype, pin_memory=self.pinned)

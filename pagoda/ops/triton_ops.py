@@ -43,6 +43,15 @@ MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4
 
 
+def _check_shapes(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    """The attention kernels' tiles: whole GQA groups, powers of 2 of at least 16."""
+    if heads % kv_heads or any(n < 16 or n & (n - 1) for n in (head_dim, block_size)):
+        raise ValueError(
+            f"heads {heads}/{kv_heads}, head_dim {head_dim}, block_size {block_size}: "
+            "the Triton attention needs whole groups, and powers of 2 of at least 16"
+        )
+
+
 def group_pad(group: int) -> int:
     """A KV head's query heads, padded to tl.dot's 16 rows at least: the decode's dot
     products run on tensor cores, with a [16, D] accumulator instead of a [group,
@@ -143,10 +152,7 @@ def decode_attention(
         raise NotImplementedError("decode_attention (Triton): quantized KV caches")
     B, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
-    if H % KVH or D & (D - 1):
-        raise ValueError(
-            f"heads {H} over {KVH} KV heads, head_dim {D}: need H % KVH == 0, D a power of 2"
-        )
+    _check_shapes(H, KVH, D, block_size)
     # The grid's splits: enough for a row as wide as the table.
     num_splits = min(MAX_SPLITS, triton.cdiv(block_tables.shape[1], min_blocks_per_split))
     group = H // KVH
@@ -239,8 +245,7 @@ def prefill_attention(
     Returns [T, H, D] (rows of no chunk untouched: uninitialized)."""
     T, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
-    if H % KVH or D & (D - 1) or D < 16 or block_size < 16:
-        raise ValueError(f"heads {H}/{KVH}, head_dim {D}, block_size {block_size} unsupported")
+    _check_shapes(H, KVH, D, block_size)
     block_m = 16
     max_qlen = max_query_len
     if max_qlen is None:
