@@ -460,11 +460,12 @@ class EngineArgs:
         head_dim = hf_config.get("head_dim") or (
             hf_config["hidden_size"] // hf_config["num_attention_heads"]
         )
-        tiles = "a power of 2 of at least 16 (the Triton attention's tiles)"
-        if self.kernel_backend != "torch" and not _tile_size(self.block_size):
-            return f"block_size {self.block_size} on device 'cuda' must be {tiles}"
-        if self.kernel_backend != "torch" and not _tile_size(head_dim):
-            return f"model {arch!r}: head_dim {head_dim} on device 'cuda' must be {tiles}"
+        if self.kernel_backend != "torch":  # the Triton attention's tiles
+            tiles = "a power of 2 of at least 16 (the Triton attention's tiles)"
+            if not _tile_size(self.block_size):
+                return f"block_size {self.block_size} on device 'cuda' must be {tiles}"
+            if not _tile_size(head_dim):
+                return f"model {arch!r}: head_dim {head_dim} on device 'cuda' must be {tiles}"
         refusals = {
             "quantization": self.quantization not in ("auto", "none"),
             "kernel_backend": self.kernel_backend not in ("auto", "torch", "triton"),
