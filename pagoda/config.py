@@ -392,11 +392,6 @@ class EngineArgs:
             quantization = "none"  # GGUF blocks expanded to the dtype: no GPU kernel yet
             kernel_backend = "triton" if kernel_backend == "auto" else kernel_backend
         model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
-        window = hf_config.get("sliding_window")
-        if window and hf_config.get("use_sliding_window", True) and window < model_max_len:
-            # Sliding-window attention is not implemented: within the window it is full attention.
-            logger.warning("sliding_window %d: max_model_len capped at the window.", window)
-            model_max_len = int(window)
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's "

@@ -58,6 +58,15 @@ _GAUGES: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
     ),
     "pagoda:num_blocks_used": ("KV cache blocks in use.", lambda s: s.kv_cache.num_blocks_used),
     "pagoda:num_blocks_total": ("KV cache blocks in all.", lambda s: s.kv_cache.num_blocks_total),
+    "pagoda:kv_cache_bytes_per_token": (
+        "Bytes a token's K/V takes in the cache (every layer).",
+        lambda s: s.kv_cache.bytes_per_token,
+    ),
+    "pagoda:kv_cache_expanded_bytes_per_token": (
+        "Bytes K and V of every head would take per token: above kv_cache_bytes_per_token "
+        "where the cache holds multi-head latent attention's latent rows.",
+        lambda s: s.kv_cache.expanded_bytes_per_token,
+    ),
     "pagoda:prefix_cache_hit_rate": (
         "Prefix cache hits / queries, in tokens, since start.",
         lambda s: s.kv_cache.prefix_cache_hit_rate,

@@ -66,25 +66,33 @@ def main() -> int:
     for dt in ("fp32", "bf16", "fp16"):
         precision = "ieee" if dt == "fp32" else "tf32"
         # (query heads per KV head, head_dim, block_size): SmolLM2-135M, Llama-3-8B, a
-        # wide group (tl.dot's path), a larger block.
-        for group, d, bs in ((3, 64, 16), (4, 128, 16), (16, 128, 16), (8, 128, 32)):
+        # wide group (tl.dot's path), a larger block, Gemma 3's 256-wide heads.
+        for group, d, bs in ((3, 64, 16), (4, 128, 16), (16, 128, 16), (8, 128, 32), (4, 256, 16)):
             attention = dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", scale="fp32", **ints)
             decode = dict(attention, tables_ptr="*i64", lens_ptr="*i64", m_ptr="*fp32",
-                          l_ptr="*fp32", acc_ptr="*fp32", min_blocks="i32", num_splits="i32")  # fmt: skip
+                          l_ptr="*fp32", acc_ptr="*fp32", window="i32", softcap="fp32",
+                          min_blocks="i32", num_splits="i32")  # fmt: skip
             heads = dict(H=group * 3, GROUP=group, D=d, BLOCK_SIZE=bs, PRECISION=precision)
             label = f"{dt} group {group} head_dim {d} block {bs}"
-            results.append(compile_kernel(
-                ops._decode_partial, decode,
-                dict(heads, GROUP_PAD=ops.group_pad(group), MAX_SPLITS=ops.MAX_SPLITS),
-                f"decode partial, {label}",
-            ))  # fmt: skip
-            prefill = dict(attention, o_ptr=f"*{dt}", starts_ptr="*i64", qlens_ptr="*i64",
-                           ctx_ptr="*i64", tables_ptr="*i64")  # fmt: skip
-            results.append(compile_kernel(
-                ops._prefill_attention, prefill, dict(heads, BLOCK_M=16), f"prefill, {label}"
-            ))  # fmt: skip
+            # Soft-capped logits (Gemma 2) on the widest group only: the other paths are
+            # the same code.
+            for softcap in (False, True) if group == 16 else (False,):
+                tag = f"{label}{', soft cap' if softcap else ''}"
+                results.append(compile_kernel(
+                    ops._decode_partial, decode,
+                    dict(heads, GROUP_PAD=ops.group_pad(group), MAX_SPLITS=ops.MAX_SPLITS,
+                         SOFTCAP=softcap),
+                    f"decode partial, {tag}",
+                ))  # fmt: skip
+                prefill = dict(attention, o_ptr=f"*{dt}", starts_ptr="*i64", qlens_ptr="*i64",
+                               ctx_ptr="*i64", tables_ptr="*i64", window="i32",
+                               softcap="fp32")  # fmt: skip
+                results.append(compile_kernel(
+                    ops._prefill_attention, prefill, dict(heads, BLOCK_M=16, SOFTCAP=softcap),
+                    f"prefill, {tag}",
+                ))  # fmt: skip
         merge = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", o_ptr=f"*{dt}",
-                     lens_ptr="*i64", min_blocks="i32", num_splits="i32")  # fmt: skip
+                     lens_ptr="*i64", window="i32", min_blocks="i32", num_splits="i32")  # fmt: skip
         results.append(compile_kernel(
             ops._decode_merge, merge,
             dict(H=9, D=128, BLOCK_SIZE=16, MAX_SPLITS=ops.MAX_SPLITS), f"decode merge, {dt}",
@@ -93,12 +101,22 @@ def main() -> int:
             compile_kernel(
                 ops._add_rms_norm, dict(x_ptr=f"*{dt}", res_ptr=f"*{dt}", w_ptr=f"*{dt}",
                                         n="i32", eps="fp32"),
-                dict(BLOCK=4096), f"add_rms_norm, {dt}",
+                dict(BLOCK=4096, GEMMA=False), f"add_rms_norm, {dt}",
+            ),
+            compile_kernel(  # Gemma's: a float32 (1 + w) weight, rounded after it
+                ops._add_rms_norm, dict(x_ptr=f"*{dt}", res_ptr=f"*{dt}", w_ptr="*fp32",
+                                        n="i32", eps="fp32"),
+                dict(BLOCK=4096, GEMMA=dt != "fp32"), f"add_rms_norm (Gemma), {dt}",
             ),
             compile_kernel(
                 ops._rotary, dict(qk_ptr=f"*{dt}", pos_ptr="*i64", cos_ptr="*fp32",
                                   sin_ptr="*fp32", heads="i32"),
-                dict(HALF=32, HALF_PAD=32), f"rotary, {dt}",
+                dict(D=64, HALF=32, HALF_PAD=32), f"rotary, {dt}",
+            ),
+            compile_kernel(  # partial rotary (Phi-4-mini: 96 of 128 dims)
+                ops._rotary, dict(qk_ptr=f"*{dt}", pos_ptr="*i64", cos_ptr="*fp32",
+                                  sin_ptr="*fp32", heads="i32"),
+                dict(D=128, HALF=48, HALF_PAD=64), f"rotary, partial, {dt}",
             ),
             compile_kernel(
                 ops._silu_and_mul, dict(x_ptr=f"*{dt}", o_ptr=f"*{dt}", inter="i32"),

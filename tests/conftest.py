@@ -60,6 +60,66 @@ MOE_DEFAULTS = {
 }
 
 
+# The families released since 2024, tiny: each family's own switches set so that they
+# matter (windows shorter than the prompts, soft caps, multipliers, partial rotary with
+# longrope, NoPE layers). Windows of 20 tokens: not a multiple of the block size.
+WINDOW = 20
+FAMILY_DEFAULTS = {
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "gemma2": dict(
+        head_dim=16, num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        attn_logit_softcapping=4.0, final_logit_softcapping=6.0, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+    "gemma3": dict(
+        head_dim=16, num_hidden_layers=3, query_pre_attn_scalar=16, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+        tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+    ),
+    "phi3": dict(
+        original_max_position_embeddings=64, max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0],
+        },
+        sliding_window=None, pad_token_id=0,
+    ),
+    "granite": dict(
+        embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.22,
+        logits_scaling=8.0,
+    ),
+    "smollm3": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], pad_token_id=0),
+    # MLA with q LoRA, YaRN (mscale), grouped routing with a choice bias, a dense layer.
+    "deepseek_v3": dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=48, first_k_dense_replace=1, n_group=4,
+        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.8},
+    ),
+    # MLA without q LoRA (V2-Lite's), softmax routing, group-limited.
+    "deepseek_v2": dict(
+        num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=2, moe_intermediate_size=48, first_k_dense_replace=0, n_group=2,
+        topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+    ),
+    "mistral_window": dict(sliding_window=WINDOW),
+    "qwen2_window": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+}  # fmt: skip
+
+
 def tiny_text_config(vocab_size: int) -> dict:
     """The tiny text model's shape (every test model's, and LLaVA's text half)."""
     return dict(
@@ -79,8 +139,8 @@ def tiny_text_config(vocab_size: int) -> dict:
 
 
 def make_model(folder: str, arch: str, **overrides):
-    """Save a tiny random model of `arch` ("llama" | "mistral" | "qwen2", or the MoE
-    "mixtral" | "qwen2_moe" | "olmoe") into folder."""
+    """Save a tiny random model of `arch` ("llama" | "mistral" | "qwen2", the MoE
+    "mixtral" | "qwen2_moe" | "olmoe", or one of FAMILY_DEFAULTS) into folder."""
     import transformers
 
     tokenizer = make_tokenizer(folder)
@@ -88,18 +148,37 @@ def make_model(folder: str, arch: str, **overrides):
     common.update(overrides)
     if arch in MOE_DEFAULTS:
         common = {**common, **MOE_DEFAULTS[arch], **overrides}
+    if arch in FAMILY_DEFAULTS:
+        common = {**common, **FAMILY_DEFAULTS[arch], **overrides}
+    t = transformers
     cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "llama": (t.LlamaConfig, t.LlamaForCausalLM),
+        "mistral": (t.MistralConfig, t.MistralForCausalLM),
+        "mistral_window": (t.MistralConfig, t.MistralForCausalLM),
+        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+        "qwen2_window": (t.Qwen2Config, t.Qwen2ForCausalLM),
+        "mixtral": (t.MixtralConfig, t.MixtralForCausalLM),
+        "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM),
+        "olmoe": (t.OlmoeConfig, t.OlmoeForCausalLM),
+        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM),
+        "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM),
+        "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM),
+        "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM),
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM),
+        "granite": (t.GraniteConfig, t.GraniteForCausalLM),
+        "smollm3": (t.SmolLM3Config, t.SmolLM3ForCausalLM),
+        "deepseek_v2": (t.DeepseekV2Config, t.DeepseekV2ForCausalLM),
+        "deepseek_v3": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM),
     }[arch]
     if arch in ("mistral", "mixtral"):
         common.setdefault("sliding_window", None)
     torch.manual_seed(0)
     model = cls[1](cls[0](**common))
+    if arch in FAMILY_DEFAULTS:  # HF starts norms at 1 (Gemma's at 0): random ones test more
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return folder
 

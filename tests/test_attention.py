@@ -8,18 +8,23 @@ import torch
 
 from pagoda.attention.context import AttentionMetadata
 from pagoda.attention.kv_cache import PagedKVCache, dequantize_kv, quantize_kv
-from pagoda.attention.paged import paged_attention, write_kv
+from pagoda.attention.paged import AttentionParams, paged_attention, write_kv
 from pagoda.ops import cpu, select_ops
 
 
-def dense_reference(q, k, v, scale):
-    """q [L, H, D] against k/v [S, KVH, D], causal with the query at the end."""
+def dense_reference(q, k, v, scale, window=0, softcap=0.0):
+    """q [L, H, D] against k/v [S, KVH, D], causal with the query at the end; a query
+    sees its `window` latest keys (0: all); logits soft-capped (0: not)."""
     H, KVH = q.shape[1], k.shape[1]
     k = k.repeat_interleave(H // KVH, dim=1).double()
     v = v.repeat_interleave(H // KVH, dim=1).double()
     L, S = q.shape[0], k.shape[0]
     scores = torch.einsum("lhd,shd->hls", q.double(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    if window:
+        mask &= ~torch.ones(L, S, dtype=torch.bool).tril(S - L - window)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
 
@@ -60,9 +65,11 @@ KV_DTYPES = [None, torch.int8, torch.float8_e4m3fn]
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["model-dtype", "int8", "fp8"])
-def test_mixed_batch_matches_dense(dtype, tol, backend, kv_dtype):
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (0, 2.0)], ids=["full", "window", "softcap"])
+def test_mixed_batch_matches_dense(dtype, tol, backend, kv_dtype, window, softcap):
     """A quantized cache is checked against the dense reference on what it holds (the
-    rounding of K/V is the cache's, not the kernel's)."""
+    rounding of K/V is the cache's, not the kernel's). A 5-token window over 4-token
+    blocks starts mid-block; soft-capped logits take the explicit softmax."""
     if backend == "cpu" and cpu.load() is None:
         pytest.skip("no C++ toolchain")
     kernel = select_ops(backend, dtype).decode_attention
@@ -94,11 +101,12 @@ def test_mixed_batch_matches_dense(dtype, tol, backend, kv_dtype):
         [v[s - ql :] for (_, v), s, ql in zip(fresh, seq_lens, query_lens, strict=True)]
     )
     scale = 16**-0.5
-    out = paged_attention(q_flat, k_new, v_new, cache, meta, scale, kernel)
+    params = AttentionParams(scale, window, softcap)
+    out = paged_attention(q_flat, k_new, v_new, cache, meta, params, kernel)
     for i, ((k, v), qi) in enumerate(zip(seqs, q, strict=True)):
         if query_lens[i] == seq_lens[i] > 1 and not cache.quantized:
             k, v = fresh[i]  # a prefill with no context: k/v as computed
-        ref = dense_reference(qi, k, v, scale)
+        ref = dense_reference(qi, k, v, scale, window, softcap)
         got = out[starts[i] : starts[i + 1]].double()
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
@@ -112,7 +120,7 @@ def test_kernel_handles_long_contexts_and_head_dims(dtype, tol, block_size, kv_d
     module = cpu.load()
     if module is None:
         pytest.skip("no C++ toolchain")
-    for D, H, KVH in ((64, 9, 3), (128, 4, 4), (24, 4, 2)):
+    for D, H, KVH in ((64, 9, 3), (128, 4, 4), (24, 4, 2), (256, 4, 1)):
         # 1100 and 1600 tokens: several chunks of about 512, combined (flash-decoding)
         seq_lens = [1, 33, 200, 47] if D != 64 else [1, 1100, 513, 1600]
         q, seqs, tables, cache, _ = build_batch(
@@ -121,14 +129,15 @@ def test_kernel_handles_long_contexts_and_head_dims(dtype, tol, block_size, kv_d
         )  # fmt: skip
         max_blocks = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-        out = module.paged_decode_attention(
-            torch.cat(q), cache.k, cache.v, padded, torch.tensor(seq_lens), D**-0.5,
-            cache.k_scales, cache.v_scales,
-        )  # fmt: skip
-        for i, ((k, v), qi) in enumerate(zip(seqs, q, strict=True)):
-            torch.testing.assert_close(
-                out[i : i + 1].double(), dense_reference(qi, k, v, D**-0.5), atol=tol, rtol=tol
-            )
+        # A window off the chunk and block edges: it starts the first chunk late.
+        for window in (0, 601 if D == 64 else 37):
+            out = module.paged_decode_attention(
+                torch.cat(q), cache.k, cache.v, padded, torch.tensor(seq_lens), D**-0.5,
+                cache.k_scales, cache.v_scales, window,
+            )  # fmt: skip
+            for i, ((k, v), qi) in enumerate(zip(seqs, q, strict=True)):
+                want = dense_reference(qi, k, v, D**-0.5, window)
+                torch.testing.assert_close(out[i : i + 1].double(), want, atol=tol, rtol=tol)
 
 
 def test_kernel_rows_are_independent_of_the_batch():

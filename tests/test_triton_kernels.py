@@ -61,6 +61,80 @@ def test_decode_attention(dtype, block_size, head_dim, heads, kv_heads):
         torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
 
 
+def naive_attention(q, keys, values, positions, key_positions, scale, window=0, softcap=0.0):
+    """The obviously correct twin: q [L, H, D] at `positions` against keys/values [S,
+    KVH, D] at `key_positions`, float32, causal, windowed, soft-capped."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(group, 1).transpose(0, 1)  # [H, S, D]
+    v = values.float().repeat_interleave(group, 1).transpose(0, 1)
+    s = q.float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, L, S]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    seen = key_positions[None, :] <= positions[:, None]
+    if window:
+        seen &= key_positions[None, :] > positions[:, None] - window
+    s = s.masked_fill(~seen, float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(0, 1)  # [L, H, D]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap", [(20, 0.0), (0, 5.0), (37, 3.0)])
+def test_decode_attention_window_and_softcap(dtype, window, softcap):
+    """A sliding window (shorter than some rows, longer than others, off block edges)
+    and soft-capped logits: the Triton kernel and the PyTorch twin against the naive
+    float32 attention."""
+    block_size, heads, kv_heads, head_dim = 16, 6, 2, 64
+    lens = [1, 19, 20, 21, 3 * block_size + 5, 150]
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, kv_heads, head_dim, dtype, 3)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    safe_tables = tables.clamp(max=k_cache.shape[0] - 1)
+    want = torch.stack([
+        naive_attention(
+            q[b : b + 1], k_cache[safe_tables[b].long()].flatten(0, 1)[:n],
+            v_cache[safe_tables[b].long()].flatten(0, 1)[:n], torch.tensor([n - 1]),
+            torch.arange(n), 0.125, window, softcap,
+        )[0]
+        for b, n in enumerate(lens)
+    ])  # fmt: skip
+    twin = torch_ops.decode_attention(
+        q, k_cache, v_cache, safe_tables, seq_lens, 0.125, window=window, softcap=softcap
+    )
+    torch.testing.assert_close(twin.float(), want, **TOL[dtype])
+    on = [t.to(DEVICE) for t in (q, k_cache, v_cache, tables, seq_lens)]
+    for min_blocks in (1, triton_ops.MIN_BLOCKS_PER_SPLIT):
+        got = triton_ops.decode_attention(
+            *on, 0.125, window=window, softcap=softcap, min_blocks_per_split=min_blocks
+        )
+        torch.testing.assert_close(got.cpu().float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window, softcap", [(20, 0.0), (0, 5.0), (9, 3.0)])
+def test_prefill_attention_window_and_softcap(window, softcap):
+    block_size, heads, kv_heads, head_dim = 16, 4, 2, 64
+    chunks = [(0, 45), (block_size + 3, 30), (50, 1), (0, 7)]
+    lens = [ctx + qlen for ctx, qlen in chunks]
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, kv_heads, head_dim, torch.float32, 4)
+    qlens = [qlen for _, qlen in chunks]
+    starts = [sum(qlens[:i]) for i in range(len(qlens))]
+    q = torch.randn(sum(qlens), heads, head_dim)
+    want = torch.cat([
+        naive_attention(
+            q[start : start + qlen], k_cache[table.long()].flatten(0, 1)[: ctx + qlen],
+            v_cache[table.long()].flatten(0, 1)[: ctx + qlen], torch.arange(ctx, ctx + qlen),
+            torch.arange(ctx + qlen), 0.125, window, softcap,
+        )
+        for (ctx, qlen), start, table in zip(chunks, starts, tables.clamp(max=k_cache.shape[0] - 1), strict=True)
+    ])  # fmt: skip
+    meta = [torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in (starts, qlens)]
+    ctxs = torch.tensor([c for c, _ in chunks], dtype=torch.int32, device=DEVICE)
+    got = triton_ops.prefill_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), *meta, ctxs, tables.to(DEVICE),
+        0.125, window=window, softcap=softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **TOL[torch.float32])
+
+
 def test_decode_splits_are_each_rows_own():
     """A row's result is the same bits alone as in a batch with a wider table (what a
     CUDA graph replays: padded rows, the full table width), and a row past
@@ -121,10 +195,12 @@ def test_prefill_attention(dtype, block_size, head_dim, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm(dtype):
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_add_rms_norm(dtype, gemma):
+    """Llama's norm, and Gemma's: a float32 (1 + w) weight, rounded after it."""
     x = torch.randn(5, 96).to(dtype)
     residual = torch.randn(5, 96).to(dtype)
-    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96)).to(torch.float32 if gemma else dtype)
     want_x, want_r = torch_ops.add_rms_norm(x, residual, weight, 1e-5)
     got_x, got_r = triton_ops.add_rms_norm(
         x.clone().to(DEVICE), residual.clone().to(DEVICE), weight.to(DEVICE), 1e-5
@@ -136,12 +212,13 @@ def test_add_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 96])
-def test_rotary_embedding(dtype, head_dim):
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (96, 96), (128, 96)])
+def test_rotary_embedding(dtype, head_dim, rotary_dim):
+    """Whole heads, and partial rotary (Phi-4-mini's 96 of 128: the rest passes)."""
     T, heads, max_pos = 7, 5, 64
     qk = torch.randn(T, heads, head_dim).to(dtype)
     positions = torch.tensor([0, 3, 63, 10, 11, 12, 1])
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     angles = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
     cos, sin = angles.cos(), angles.sin()
     want = torch_ops.rotary_embedding(qk, positions, cos, sin)
@@ -149,6 +226,7 @@ def test_rotary_embedding(dtype, head_dim):
         qk.clone().to(DEVICE), positions.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
     )
     torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+    assert torch.equal(want[..., rotary_dim:], qk[..., rotary_dim:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -210,6 +288,28 @@ def test_engine_on_the_triton_backend_matches_the_torch_one(tiny_llama):
     assert outputs["triton"][2] == outputs["triton"][0]  # the cached pass
 
 
+def test_windowed_softcapped_family_on_the_triton_backend(tmp_path):
+    """Gemma 2 (sliding windows on every other layer, soft-capped logits, Gemma's norms)
+    on the Triton backend: the PyTorch backend's tokens past three windows, chunked."""
+    from conftest import make_model, tiny_prompts
+    from transformers import AutoTokenizer
+
+    from pagoda import LLM, SamplingParams
+
+    folder = make_model(str(tmp_path / "gemma2"), "gemma2")
+    prompts = [(p * 90)[:90] for p in tiny_prompts(AutoTokenizer.from_pretrained(folder), 3)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            folder, dtype="float32", kernel_backend=backend, device=DEVICE,
+            kv_cache_memory_bytes=1 << 22, max_num_batched_tokens=64, enforce_eager=True,
+        )  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs[backend] = [o.outputs[0].token_ids for o in outs]
+    assert outputs["triton"] == outputs["torch"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels run on the GPU itself")
 def test_kernels_compile_for_a_hopper_gpu():
     """Every kernel through Triton's compiler and ptxas for sm_90 (tests/
@@ -222,4 +322,4 @@ def test_kernels_compile_for_a_hopper_gpu():
         [sys.executable, script], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 39, done.stdout
+    assert done.stdout.count("ok ") == 57, done.stdout

@@ -4,6 +4,10 @@ quantized (int8, or fp8 e4m3) with one fp16 scale per token and head.
     data    [layers, 2 (K/V), num_blocks, block_size, kv_heads, head_dim]
     scales  [layers, 2 (K/V), num_blocks, block_size, kv_heads]   (quantized only)
 
+Multi-head latent attention (DeepSeek) keeps one row per token and layer instead of
+K and V (num_kv 1): the compressed latent and the rope key, which serve as its one
+key head and, cut to the latent, its value.
+
 A quantized row is `round(x / s)` with s = max|x| / qmax (127 for int8, 448 for fp8
 e4m3), s rounded to fp16 first so that the stored scale is the one used. Blocks
 hold 1.9x (bf16 model) or 3.9x (float32) the tokens for the same bytes.
@@ -17,6 +21,16 @@ import torch
 
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What a model's paged cache holds, per token, in each layer."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    num_kv: int = 2  # K and V; MLA's latent row serves as both: 1
 
 
 @dataclass
@@ -70,23 +84,50 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        num_kv: int = 2,
     ) -> None:
         """`dtype`: the model's, or int8 / float8_e4m3fn (then with scales). Zeroed, so
         that masked-out slots never hold NaN (0 * NaN would leak through attention).
-        `pin_memory`: page-locked host memory (a GPU's swap pool: faster copies)."""
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads)
+        `pin_memory`: page-locked host memory (a GPU's swap pool: faster copies).
+        `num_kv`: 2 (K and V), or 1 (MLA's latent rows)."""
+        shape = (num_layers, num_kv, num_blocks, block_size, num_kv_heads)
         kw = dict(device=device, pin_memory=pin_memory)
         self.data = torch.zeros((*shape, head_dim), dtype=dtype, **kw)
         self.scales = torch.zeros(shape, dtype=torch.float16, **kw) if dtype in _QMAX else None
 
+    @classmethod
+    def of(
+        cls, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, **kw
+    ) -> PagedKVCache:
+        return cls(
+            shape.num_layers, num_blocks, block_size, shape.kv_heads, shape.head_dim, dtype,
+            num_kv=shape.num_kv, **kw,
+        )  # fmt: skip
+
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        num_kv: int = 2,
     ) -> int:
         per_token_head = head_dim * torch.tensor([], dtype=dtype).element_size()
         if dtype in _QMAX:
             per_token_head += 2  # the fp16 scale
-        return 2 * num_layers * block_size * num_kv_heads * per_token_head
+        return num_kv * num_layers * block_size * num_kv_heads * per_token_head
+
+    @classmethod
+    def bytes_per_block_of(cls, shape: KVShape, block_size: int, dtype: torch.dtype) -> int:
+        return cls.bytes_per_block(
+            shape.num_layers, block_size, shape.kv_heads, shape.head_dim, dtype, shape.num_kv
+        )
+
+    @property
+    def shape(self) -> KVShape:
+        layers, num_kv, _, _, kv_heads, head_dim = self.data.shape
+        return KVShape(layers, kv_heads, head_dim, num_kv)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -97,9 +138,11 @@ class PagedKVCache:
         return self.data.shape[2]
 
     def layer(self, i: int) -> LayerKV:
+        """Layer i's K and V (with one row a token, MLA's: the same tensor twice)."""
+        v = self.data.shape[1] - 1  # 1, or 0 for latent rows
         if self.scales is None:
-            return LayerKV(self.data[i, 0], self.data[i, 1])
-        return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1])
+            return LayerKV(self.data[i, 0], self.data[i, v])
+        return LayerKV(self.data[i, 0], self.data[i, v], self.scales[i, 0], self.scales[i, v])
 
     def tensors(self) -> list[torch.Tensor]:
         """What a block is made of, for moving it: the values (fp8 as its bytes), and
@@ -130,9 +173,9 @@ class SwapPool:
     def __init__(self, device_cache: PagedKVCache, num_blocks: int) -> None:
         self.device = device_cache.data.device
         self.pinned = self.device.type == "cuda"
-        layers, _, _, block_size, heads, head_dim = device_cache.data.shape
-        self.cache = PagedKVCache(
-            layers, num_blocks, block_size, heads, head_dim, device_cache.dtype, "cpu"
+        block_size = device_cache.data.shape[3]
+        self.cache = PagedKVCache.of(
+            device_cache.shape, num_blocks, block_size, device_cache.dtype, device="cpu"
         )
         self.side_stream = torch.cuda.Stream(self.device) if self.pinned else None
         # Swap-outs not yet in the pool: (copy done event or None, staged, host ids).

@@ -62,10 +62,13 @@ class KVCacheManager:
         enable_caching: bool = True,
         num_host_blocks: int = 0,
         dtype: str = "auto",
+        bytes_per_token: tuple[int, int] = (0, 0),
     ) -> None:
-        """`dtype`: what the blocks hold, for the stats (the runner's cache decides it)."""
+        """`dtype`, `bytes_per_token` (a token's K/V, and what expanded K and V would
+        take): what the blocks hold, for the stats (the runner's cache decides it)."""
         self.block_size = block_size
         self.dtype = dtype
+        self.bytes_per_token = bytes_per_token
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = (
@@ -291,6 +294,8 @@ class KVCacheManager:
             num_requests_swapped=self.num_swapped,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            bytes_per_token=self.bytes_per_token[0],
+            expanded_bytes_per_token=self.bytes_per_token[1],
         )
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:

@@ -24,6 +24,10 @@ class KVCacheStats:
     num_requests_swapped: int  # requests whose blocks sit in the host pool
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found cached
+    bytes_per_token: int = 0  # a token's K/V (every layer, every worker's shard)
+    # What K and V of every head would take: more than bytes_per_token where the cache
+    # holds multi-head latent attention's latent rows instead.
+    expanded_bytes_per_token: int = 0
 
     @property
     def capacity_tokens(self) -> int:

@@ -1,17 +1,22 @@
 // A decode step's layers in one C++ call: the same kernels, in the same order, with the
-// same arguments as the Python model's forward (pagoda/model_executor/models/llama.py),
-// so each row's result is bitwise what eager mode gives; what goes away is the Python
-// between them (about 40 module calls, views and dispatches per layer).
+// same arguments as the Python model's forward (pagoda/model_executor/models/
+// transformer.py's DecoderLayer), so each row's result is bitwise what eager mode gives;
+// what goes away is the Python between them (about 40 module calls, views and
+// dispatches per layer).
 //
+// Each layer is described as the Python layer's config describes it (heads, scale,
+// sliding window, soft cap, rope table or none, q/k norms, Gemma's output norms,
+// Granite's residual multiplier, the MLP's activation); pagoda/model_executor/
+// decode_loop.py hands them over from the built model, field by field.
 // Mixture-of-experts layers run here too, as FusedMoE does: moe_group, each chosen
 // expert's two products, moe_combine, then a shared expert if there is one.
 //
-// Built once per engine (LlamaModel.build_decode_loop) from the loaded weights
-// and the KV cache tensors, for steps where every row is a decode row (one query token
-// at its own position, drafts included) and at most 8 rows run: the kernels' small-batch
-// paths. Everything else takes the Python path. Linear::operator() repeats the small-row
-// dispatch of pagoda.ops.cpu (`linear`, `quant_linear`), whose `decode_loop_linear`
-// admits a linear only where the two agree; tests/test_decode_loop.py holds them equal.
+// Built once per engine from the loaded weights and the KV cache tensors, for steps
+// where every row is a decode row (one query token at its own position, drafts
+// included) and at most 8 rows run: the kernels' small-batch paths. Everything else
+// takes the Python path. Linear::operator() repeats the small-row dispatch of
+// pagoda.ops.cpu (`linear`, `quant_linear`), whose `decode_loop_linear` admits a linear
+// only where the two agree; tests/test_decode_loop.py holds them equal.
 #include <ATen/ATen.h>
 
 #include <vector>
@@ -19,7 +24,8 @@
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   c10::optional<at::Tensor> k_scales,
-                                  c10::optional<at::Tensor> v_scales);
+                                  c10::optional<at::Tensor> v_scales, int64_t window,
+                                  double softcap, int64_t v_dim);
 at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
@@ -83,17 +89,29 @@ struct MoE {
   std::vector<int64_t> gate_up_linears, down_linears;
 };
 
-// OLMoE's RMSNorm over the whole q and k projections, then q, k, v clamped (clip_qkv
-// <= 0: no clamp), as LlamaAttention._norm_and_clip does.
+// A layer's q/k norms, as SelfAttention._norm_and_clip does them: over each head's D
+// values (per_head: Qwen3, Gemma 3) or over the whole q and k projections (OLMoE), then
+// q, k, v clamped (clip <= 0: no clamp).
 struct QKNorm {
   at::Tensor q_weight, k_weight;
+  bool per_head;
   double clip;
 };
 
+// One decoder layer, as pagoda/model_executor/models/transformer.py's DecoderLayer: its
+// attention's shape and options, its norms, its MLP (dense or experts).
 struct Layer {
   int64_t qkv, o, gate_up, down;  // indices into DecodeLoop::linears (MLP: -1 with moe)
-  at::Tensor input_norm, post_attention_norm;
+  at::Tensor input_norm, ffn_norm;
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, KVH, D]
+  int64_t H, KVH, D;
+  double scale;
+  int64_t window;  // 0: full attention
+  double softcap;  // 0: none
+  int64_t activation;  // 0: silu, 1: tanh GELU (the MLP's gate)
+  double residual_multiplier;  // 0: none (Granite's)
+  c10::optional<at::Tensor> cos, sin;  // this layer's rope table; none: no rotary
+  c10::optional<at::Tensor> attn_output_norm, ffn_output_norm;  // Gemma's sandwich norms
   c10::optional<MoE> moe;
   c10::optional<QKNorm> qk_norm;
 };
@@ -103,14 +121,15 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
   return x.scalar_type() == at::kBFloat16 ? small_gemm(x, w, c10::nullopt) : at::linear(x, w);
 }
 
+at::Tensor activate(const at::Tensor& gate, int64_t activation) {
+  return activation == 1 ? at::gelu(gate, "tanh") : at::silu(gate);
+}
+
 }  // namespace
 
 class DecodeLoop {
  public:
-  DecodeLoop(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-             at::Tensor cos, at::Tensor sin, at::Tensor final_norm)
-      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), scale_(scale), eps_(eps), cos_(cos),
-        sin_(sin), final_norm_(final_norm) {}
+  DecodeLoop(double eps, at::Tensor final_norm) : eps_(eps), final_norm_(final_norm) {}
 
   int64_t add_linear(int64_t kind, at::Tensor w, c10::optional<at::Tensor> d,
                      c10::optional<at::Tensor> m, c10::optional<at::Tensor> qh, int64_t format,
@@ -128,20 +147,39 @@ class DecodeLoop {
   }
 
   void add_layer(int64_t qkv, int64_t o, int64_t gate_up, int64_t down, at::Tensor input_norm,
-                 at::Tensor post_attention_norm, at::Tensor k_cache, at::Tensor v_cache) {
+                 at::Tensor ffn_norm, at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads,
+                 double scale, int64_t window, double softcap, int64_t activation,
+                 double residual_multiplier) {
     const int64_t n = static_cast<int64_t>(linears_.size());
     for (int64_t i : {qkv, o}) TORCH_CHECK(i >= 0 && i < n, "no linear ", i);
     for (int64_t i : {gate_up, down}) TORCH_CHECK(i >= -1 && i < n, "no linear ", i);
-    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == KVH_ && k_cache.size(3) == D_,
-                "k_cache must be [blocks, block_size, KVH, D]");
-    layers_.push_back({qkv, o, gate_up, down, input_norm, post_attention_norm, k_cache, v_cache,
-                       c10::nullopt, c10::nullopt});
+    TORCH_CHECK(k_cache.dim() == 4 && num_heads % k_cache.size(2) == 0,
+                "k_cache must be [blocks, block_size, KVH, D] with KVH dividing the heads");
+    TORCH_CHECK(activation == 0 || activation == 1, "unknown activation ", activation);
+    layers_.push_back({qkv, o, gate_up, down, input_norm, ffn_norm, k_cache, v_cache, num_heads,
+                       k_cache.size(2), k_cache.size(3), scale, window, softcap, activation,
+                       residual_multiplier, c10::nullopt, c10::nullopt, c10::nullopt,
+                       c10::nullopt, c10::nullopt, c10::nullopt});
   }
 
-  // The last added layer's attention normalizes q and k (OLMoE); clip <= 0: no clamp.
-  void set_qk_norm(at::Tensor q_weight, at::Tensor k_weight, double clip) {
+  // The last added layer turns q and k with this table ([positions, R / 2], R <= D).
+  void set_rope(at::Tensor cos, at::Tensor sin) {
+    TORCH_CHECK(!layers_.empty(), "set_rope: no layer");
+    layers_.back().cos = cos;
+    layers_.back().sin = sin;
+  }
+
+  // The last added layer's attention normalizes q and k; clip <= 0: no clamp.
+  void set_qk_norm(at::Tensor q_weight, at::Tensor k_weight, bool per_head, double clip) {
     TORCH_CHECK(!layers_.empty(), "set_qk_norm: no layer");
-    layers_.back().qk_norm = QKNorm{q_weight, k_weight, clip};
+    layers_.back().qk_norm = QKNorm{q_weight, k_weight, per_head, clip};
+  }
+
+  // The last added layer normalizes its attention's and its MLP's outputs (Gemma).
+  void set_output_norms(at::Tensor attn_output_norm, at::Tensor ffn_output_norm) {
+    TORCH_CHECK(!layers_.empty(), "set_output_norms: no layer");
+    layers_.back().attn_output_norm = attn_output_norm;
+    layers_.back().ffn_output_norm = ffn_output_norm;
   }
 
   // The last added layer's MLP becomes a mixture of experts (add_layer with gate_up and
@@ -175,10 +213,11 @@ class DecodeLoop {
                  at::Tensor block_tables, at::Tensor seq_lens,
                  c10::optional<at::Tensor> lora_segments) {
     const c10::optional<at::Tensor>& seg = lora_segments;
-    const int64_t T = x.size(0), q_size = H_ * D_, kv_size = KVH_ * D_;
+    const int64_t T = x.size(0);
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
+      const int64_t q_size = L.H * L.D, kv_size = L.KVH * L.D;
       at::Tensor h;
       if (i == 0) {
         residual = x;
@@ -188,35 +227,50 @@ class DecodeLoop {
         h = x;
       }
       at::Tensor qkv_out = linears_[L.qkv](h, seg);
-      if (L.qk_norm.has_value()) qkv_out = norm_and_clip(*L.qk_norm, qkv_out, q_size, kv_size);
+      if (L.qk_norm.has_value()) qkv_out = norm_and_clip(*L.qk_norm, qkv_out, L);
       const std::vector<at::Tensor> qkv = qkv_out.split({q_size + kv_size, kv_size}, -1);
-      const at::Tensor qk = qkv[0].view({T, H_ + KVH_, D_});
-      rotary_embedding(qk, positions, cos_, sin_);
-      const std::vector<at::Tensor> q_k = qk.split({H_, KVH_}, 1);
-      L.k_cache.view({-1, KVH_, D_}).index_copy_(0, slot_mapping, q_k[1]);
-      L.v_cache.view({-1, KVH_, D_}).index_copy_(0, slot_mapping, qkv[1].view({T, KVH_, D_}));
+      at::Tensor qk = qkv[0].view({T, L.H + L.KVH, L.D});
+      if (L.cos.has_value()) rotary_embedding(qk, positions, *L.cos, *L.sin);
+      const std::vector<at::Tensor> q_k = qk.split({L.H, L.KVH}, 1);
+      L.k_cache.view({-1, L.KVH, L.D}).index_copy_(0, slot_mapping, q_k[1]);
+      L.v_cache.view({-1, L.KVH, L.D}).index_copy_(0, slot_mapping, qkv[1].view({T, L.KVH, L.D}));
       const at::Tensor o = paged_decode_attention(q_k[0], L.k_cache, L.v_cache, block_tables,
-                                                  seq_lens, scale_, c10::nullopt, c10::nullopt);
-      h = linears_[L.o](o.reshape({T, q_size}), seg);
-      fused_add_rms_norm(h, residual, L.post_attention_norm, eps_);
+                                                  seq_lens, L.scale, c10::nullopt, c10::nullopt,
+                                                  L.window, L.softcap, 0);
+      h = finish(L, linears_[L.o](o.reshape({T, q_size}), seg), L.attn_output_norm);
+      fused_add_rms_norm(h, residual, L.ffn_norm, eps_);
       if (L.moe.has_value()) {
-        x = moe(*L.moe, h, seg);
+        x = finish(L, moe(*L.moe, h, seg), L.ffn_output_norm);
         continue;
       }
       const std::vector<at::Tensor> gate_up = linears_[L.gate_up](h, seg).chunk(2, -1);
-      x = linears_[L.down](at::silu(gate_up[0]) * gate_up[1], seg);
+      x = finish(L, linears_[L.down](activate(gate_up[0], L.activation) * gate_up[1], seg),
+                 L.ffn_output_norm);
     }
     fused_add_rms_norm(x, residual, final_norm_, eps_);
     return x;
   }
 
  private:
-  at::Tensor norm_and_clip(const QKNorm& N, const at::Tensor& qkv, int64_t q_size,
-                           int64_t kv_size) const {
+  // A sublayer's output as DecoderLayer._finish leaves it: normed, then scaled.
+  at::Tensor finish(const Layer& L, at::Tensor h, const c10::optional<at::Tensor>& norm) const {
+    if (norm.has_value()) h = rms_norm(h, *norm, eps_);
+    if (L.residual_multiplier != 0.0) h = h * L.residual_multiplier;
+    return h;
+  }
+
+  at::Tensor norm_and_clip(const QKNorm& N, const at::Tensor& qkv, const Layer& L) const {
+    const int64_t q_size = L.H * L.D, kv_size = L.KVH * L.D;
     const std::vector<at::Tensor> parts = qkv.split({q_size, kv_size, kv_size}, -1);
-    at::Tensor out = at::cat({rms_norm(parts[0].contiguous(), N.q_weight, eps_),
-                              rms_norm(parts[1].contiguous(), N.k_weight, eps_), parts[2]},
-                             -1);
+    at::Tensor q, k;
+    if (N.per_head) {
+      q = rms_norm(parts[0].reshape({-1, L.D}), N.q_weight, eps_).view(parts[0].sizes());
+      k = rms_norm(parts[1].reshape({-1, L.D}), N.k_weight, eps_).view(parts[1].sizes());
+    } else {
+      q = rms_norm(parts[0].contiguous(), N.q_weight, eps_);
+      k = rms_norm(parts[1].contiguous(), N.k_weight, eps_);
+    }
+    at::Tensor out = at::cat({q, k, parts[2]}, -1);
     if (N.clip > 0) out.clamp_(-N.clip, N.clip);
     return out;
   }
@@ -253,9 +307,8 @@ class DecodeLoop {
     return y;
   }
 
-  int64_t H_, KVH_, D_;
-  double scale_, eps_;
-  at::Tensor cos_, sin_, final_norm_;
+  double eps_;
+  at::Tensor final_norm_;
   std::vector<Linear> linears_;
   std::vector<Layer> layers_;
 };
@@ -265,17 +318,20 @@ class DecodeLoop {
 
 void bind_decode_loop(py::module_& m) {
   py::class_<DecodeLoop>(m, "DecodeLoop")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>(),
-           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
-           py::arg("eps"),
-           py::arg("cos"), py::arg("sin"), py::arg("final_norm"))
+      .def(py::init<double, at::Tensor>(), py::arg("eps"), py::arg("final_norm"))
       .def("add_linear", &DecodeLoop::add_linear, py::arg("kind"), py::arg("w"), py::arg("d"),
            py::arg("m"), py::arg("qh"), py::arg("format"), py::arg("bias"))
       .def("set_lora", &DecodeLoop::set_lora, py::arg("linear"), py::arg("a"), py::arg("b"),
            py::arg("ranks"), py::arg("offsets"))
-      .def("add_layer", &DecodeLoop::add_layer)
+      .def("add_layer", &DecodeLoop::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("input_norm"), py::arg("ffn_norm"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("num_heads"), py::arg("scale"), py::arg("window"),
+           py::arg("softcap"), py::arg("activation"), py::arg("residual_multiplier"))
+      .def("set_rope", &DecodeLoop::set_rope, py::arg("cos"), py::arg("sin"))
       .def("set_qk_norm", &DecodeLoop::set_qk_norm, py::arg("q_weight"), py::arg("k_weight"),
-           py::arg("clip"))
+           py::arg("per_head"), py::arg("clip"))
+      .def("set_output_norms", &DecodeLoop::set_output_norms, py::arg("attn_output_norm"),
+           py::arg("ffn_output_norm"))
       .def("set_moe", &DecodeLoop::set_moe, py::arg("router"), py::arg("w13"), py::arg("w2"),
            py::arg("top_k"), py::arg("renormalize"), py::arg("shared_gate_up"),
            py::arg("shared_down"), py::arg("shared_gate"))

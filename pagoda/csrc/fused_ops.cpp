@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -19,15 +20,32 @@ using pagoda_dtypes::dispatch;
 using pagoda_dtypes::round_to;
 using pagoda_dtypes::to_f;
 
-// out = w * T(h * rsqrt(mean(h^2) + eps)), h = float(x): HF's LlamaRMSNorm.
-template <typename T>
-inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+// out = w * T(h * rsqrt(mean(h^2) + eps)), h = float(x): HF's LlamaRMSNorm. A float32
+// weight with T = bf16 is Gemma's norm: T(w * h * rsqrt(...)), rounded once (w holds 1 + w).
+template <typename T, typename W>
+inline void norm_row(const T* x, const W* w, T* out, int64_t n, float eps) {
   float sum_sq = 0.f;
 #pragma omp simd reduction(+ : sum_sq)
   for (int64_t i = 0; i < n; ++i) sum_sq += to_f(x[i]) * to_f(x[i]);
   const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = static_cast<T>(to_f(w[i]) * round_to<T>(to_f(x[i]) * inv_rms));
+  if constexpr (std::is_same_v<W, T>) {
+    for (int64_t i = 0; i < n; ++i)
+      out[i] = static_cast<T>(to_f(w[i]) * round_to<T>(to_f(x[i]) * inv_rms));
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>((to_f(x[i]) * inv_rms) * w[i]);
+  }
+}
+
+// f(T{}, W{}): the row type and the weight's (the row's, or float32 for Gemma's norm).
+template <typename F>
+void dispatch_norm(const at::Tensor& x, const at::Tensor& weight, const char* name, F&& f) {
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              name, ": the weight is in x's dtype or float32");
+  dispatch(x, name, [&](auto tag) {
+    using T = decltype(tag);
+    if (weight.scalar_type() == x.scalar_type()) f(T{}, T{});
+    else f(T{}, float{});
+  });
 }
 
 // Products and sums rounded one at a time, like eager PyTorch (no fused multiply-add).
@@ -49,15 +67,15 @@ __attribute__((optimize("fp-contract=off"))) void rotate_row(T* x, const C* cos_
 // x: [T, n] -> rms_norm(x) * weight, a new tensor.
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "rms_norm: bad shapes");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: dtype mismatch");
   x = x.contiguous();
   weight = weight.contiguous();
   auto out = at::empty_like(x);
   const int64_t rows = x.size(0), n = x.size(1);
-  dispatch(x, "rms_norm", [&](auto tag) {
+  dispatch_norm(x, weight, "rms_norm", [&](auto tag, auto weight_tag) {
     using T = decltype(tag);
+    using W = decltype(weight_tag);
     const T* xp = x.data_ptr<T>();
-    const T* wp = weight.data_ptr<T>();
+    const W* wp = weight.data_ptr<W>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
@@ -71,15 +89,15 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
   TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && x.size(1) == weight.size(0),
               "fused_add_rms_norm: bad shapes");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(), "fused_add_rms_norm: contiguous inputs only");
-  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
-              "fused_add_rms_norm: dtype mismatch");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type(), "fused_add_rms_norm: dtype mismatch");
   weight = weight.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
-  dispatch(x, "fused_add_rms_norm", [&](auto tag) {
+  dispatch_norm(x, weight, "fused_add_rms_norm", [&](auto tag, auto weight_tag) {
     using T = decltype(tag);
+    using W = decltype(weight_tag);
     T* xp = x.data_ptr<T>();
     T* rp = residual.data_ptr<T>();
-    const T* wp = weight.data_ptr<T>();
+    const W* wp = weight.data_ptr<W>();
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         T* xr = xp + r * n;
@@ -92,15 +110,17 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 }
 
 // In place on x: [T, heads, D] (rotate-half layout); positions: [T] int64;
-// cos/sin: [max_position, D / 2], float32 or x's dtype, cast to x's dtype as HF does.
+// cos/sin: [max_position, R / 2], float32 or x's dtype, cast to x's dtype as HF does.
+// R <= D: partial rotary turns the first R dims of each head and leaves the rest.
 void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: x must be [T, heads, D], D contiguous");
   TORCH_CHECK(positions.scalar_type() == at::kLong && cos.scalar_type() == sin.scalar_type() &&
                   (cos.scalar_type() == at::kFloat || cos.scalar_type() == x.scalar_type()) &&
                   cos.is_contiguous() && sin.is_contiguous(),
               "rotary_embedding: positions int64; cos/sin contiguous, float32 or x's dtype");
-  const int64_t T = x.size(0), heads = x.size(1), half = x.size(2) / 2;
-  TORCH_CHECK(cos.size(1) == half, "rotary_embedding: cos/sin width must be D / 2");
+  const int64_t T = x.size(0), heads = x.size(1), half = cos.size(1);
+  TORCH_CHECK(half >= 1 && 2 * half <= x.size(2) && sin.size(1) == half,
+              "rotary_embedding: cos/sin width must be at most D / 2");
   positions = positions.contiguous();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = cos.size(0);

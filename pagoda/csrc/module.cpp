@@ -4,7 +4,8 @@
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   c10::optional<at::Tensor> k_scales,
-                                  c10::optional<at::Tensor> v_scales);
+                                  c10::optional<at::Tensor> v_scales, int64_t window,
+                                  double softcap, int64_t v_dim);
 bool small_gemm_available();
 at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
@@ -37,7 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("k_scales") = py::none(),
-        py::arg("v_scales") = py::none());
+        py::arg("v_scales") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("v_dim") = 0);
   m.def("small_gemm_available", &small_gemm_available, "Whether small_gemm was built (AVX512-BF16)");
   m.def("small_gemm", &small_gemm, "y = x @ w.T (+ bias) for a few bf16 rows (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask,

@@ -11,6 +11,14 @@
 // The cache holds the model's dtype, or int8 / fp8 (e4m3) with one fp16 scale per
 // token and head (k_scales, v_scales: [num_blocks, block_size, KVH]); a quantized row
 // is widened to float32 and scaled as it is read.
+//
+// Multi-head latent attention (DeepSeek) passes its latent rows as both caches and a
+// value width Dv below the key's D: values are the first Dv dims of each row, the
+// output [B, H, Dv].
+//
+// A sliding window (window > 0) reads only a sequence's last `window` tokens: the
+// blocks behind it are never touched (they may even be reused by then). Soft-capped
+// logits (softcap > 0, Gemma 2) become softcap * tanh(logit / softcap).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define CPU_CAPABILITY_AVX512
 #define CPU_CAPABILITY AVX512
@@ -41,7 +49,7 @@ constexpr bool kHaveBf16Dot = false;
 
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxHeadDim = 1024;
 // Context tokens per work item (rounded to whole blocks): long enough that a chunk's
 // setup is noise, short enough that one sequence at a few thousand tokens feeds
 // every thread.
@@ -170,8 +178,8 @@ inline float softmax_numerators(float* s, int64_t len, float* max_out) {
 template <typename T, typename C, int64_t kD>
 void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_scales,
             const at::Half* v_scales, const int64_t* block_tables, const int64_t* seq_lens, T* out,
-            int64_t B, int64_t H, int64_t KVH, int64_t D_, int64_t block_size, int64_t max_blocks,
-            float scale) {
+            int64_t B, int64_t H, int64_t KVH, int64_t D_, int64_t Dv, int64_t block_size,
+            int64_t max_blocks, float scale, int64_t window, float softcap) {
   const int64_t D = kD > 0 ? kD : D_;
   const int64_t G = H / KVH;
   // bf16 with a head dim of whole 32-pair chunks: q.k straight from bf16 (bf16_scores).
@@ -184,20 +192,24 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
   // a sequence of several chunks is combined afterwards in chunk order. The split
   // depends only on the sequence's own length, never on the batch or the threads, so a
   // row's result is the same whatever else runs (speculative verification relies on it);
-  // a one-chunk sequence is computed exactly as before the split existed.
+  // a one-chunk sequence is computed exactly as before the split existed. Chunk
+  // boundaries sit at multiples of the chunk size; a window starts the first one late.
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / block_size);
   const int64_t chunk = chunk_blocks * block_size;
   struct Item { int64_t b, kvh, start, end, slot; };  // slot: partials, or -1 (one chunk)
   std::vector<Item> items;
   int64_t num_slots = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = seq_lens[b], chunks = (len + chunk - 1) / chunk;
+    const int64_t len = seq_lens[b];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t c0 = first / chunk, chunks = (len + chunk - 1) / chunk - c0;
     for (int64_t kvh = 0; kvh < KVH; ++kvh)
-      for (int64_t c = 0; c < chunks; ++c)
-        items.push_back({b, kvh, c * chunk, std::min(len, (c + 1) * chunk), chunks > 1 ? num_slots++ : -1});
+      for (int64_t c = c0; c < c0 + chunks; ++c)
+        items.push_back({b, kvh, std::max(first, c * chunk), std::min(len, (c + 1) * chunk),
+                         chunks > 1 ? num_slots++ : -1});
   }
   // Per partial chunk and query head: max, sum, then the D weighted V sums.
-  const int64_t part = D + 2;
+  const int64_t part = Dv + 2;
   std::vector<float> partials(num_slots * G * part);
   // Torch's own thread pool (a second OpenMP runtime would spin against it). Each
   // thread takes every T-th item: contexts differ in length, and contiguous halves
@@ -205,7 +217,7 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, num_workers, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> qf(G * D), acc(G * D), inv_sum(G), maxes(G), scores;
+    std::vector<float> qf(G * D), acc(G * Dv), inv_sum(G), maxes(G), scores;
     float row[kMaxHeadDim];
     for (int64_t t = first; t < last; ++t)
     for (int64_t index = t; index < num_items; index += num_workers) {
@@ -215,22 +227,24 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
       scores.resize(G * len);
       if constexpr (!kBf16Dot)
         for (int64_t g = 0; g < G; ++g) load_row(q + (b * H + kvh * G + g) * D, qf.data() + g * D, D);
-      // Walk the chunk block by block: no division per token.
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
+      // Walk the chunk block by block (the first may start mid-block): no division per token.
+      for (int64_t start = 0; start < len;) {
+        const int64_t offset = (c0 + start) % block_size;
+        const int64_t n = std::min(block_size - offset, len - start);
         const int64_t block = table[(c0 + start) / block_size];
-        const C* k_block = k_cache + block * block_size * row_stride + kvh * D;
-        if (start + block_size < len) prefetch_block(k_cache + table[(c0 + start) / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
+        const C* k_block = k_cache + (block * block_size + offset) * row_stride + kvh * D;
+        if (start + n < len) prefetch_block(k_cache + table[(c0 + start) / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
 #ifdef PAGODA_BF16_DOT
         if constexpr (kBf16Dot) {
           for (int64_t g = 0; g < G; ++g)
             bf16_scores<kD>(q + (b * H + kvh * G + g) * D, k_block, n, row_stride, scale,
                             scores.data() + g * len + start);
+          start += n;
           continue;
         }
 #endif
         for (int64_t j = 0; j < n; ++j) {
-          read_row(k_block + j * row_stride, k_scales, (block * block_size + j) * KVH + kvh, row, D);
+          read_row(k_block + j * row_stride, k_scales, (block * block_size + offset + j) * KVH + kvh, row, D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float dot = 0.f;
@@ -239,36 +253,41 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
             scores[g * len + start + j] = dot * scale;
           }
         }
+        start += n;
       }
+      if (softcap > 0.f)
+        for (int64_t i = 0; i < G * len; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
       for (int64_t g = 0; g < G; ++g) {
         const float sum = softmax_numerators(scores.data() + g * len, len, &maxes[g]);
         inv_sum[g] = item.slot < 0 ? 1.f / sum : sum;  // partials keep the sum itself
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
+      for (int64_t start = 0; start < len;) {
+        const int64_t offset = (c0 + start) % block_size;
+        const int64_t n = std::min(block_size - offset, len - start);
         const int64_t block = table[(c0 + start) / block_size];
-        const C* v_block = v_cache + block * block_size * row_stride + kvh * D;
-        if (start + block_size < len) prefetch_block(v_cache + table[(c0 + start) / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
+        const C* v_block = v_cache + (block * block_size + offset) * row_stride + kvh * D;
+        if (start + n < len) prefetch_block(v_cache + table[(c0 + start) / block_size + 1] * block_size * row_stride + kvh * D, block_size, row_stride, D);
         for (int64_t j = 0; j < n; ++j) {
-          read_row(v_block + j * row_stride, v_scales, (block * block_size + j) * KVH + kvh, row, D);
+          read_row(v_block + j * row_stride, v_scales, (block * block_size + offset + j) * KVH + kvh, row, Dv);
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * len + start + j];
-            float* a = acc.data() + g * D;
+            float* a = acc.data() + g * Dv;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+            for (int64_t d = 0; d < Dv; ++d) a[d] += p * row[d];
           }
         }
+        start += n;
       }
       for (int64_t g = 0; g < G; ++g) {
         if (item.slot < 0) {
-          T* o = out + (b * H + kvh * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+          T* o = out + (b * H + kvh * G + g) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<T>(acc[g * Dv + d] * inv_sum[g]);
         } else {
           float* dst = partials.data() + (item.slot * G + g) * part;
           dst[0] = maxes[g];
           dst[1] = inv_sum[g];
-          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, dst + 2);
+          std::copy(acc.begin() + g * Dv, acc.begin() + (g + 1) * Dv, dst + 2);
         }
       }
     }
@@ -287,10 +306,10 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
           const float* src = partials.data() + (items[i].slot * G + g) * part;
           const float w = std::exp(src[0] - m);
           total += w * src[1];
-          for (int64_t d = 0; d < D; ++d) o[d] += w * src[2 + d];
+          for (int64_t d = 0; d < Dv; ++d) o[d] += w * src[2 + d];
         }
-        T* dst = out + (head.b * H + head.kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / total);
+        T* dst = out + (head.b * H + head.kvh * G + g) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<T>(o[d] / total);
       }
     }
     first = last;
@@ -301,11 +320,14 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const at::Half* k_sc
 
 // q: [B, H, D]; caches: [num_blocks, block_size, KVH, D] in q's dtype, or int8 / fp8 e4m3
 // with k_scales/v_scales [num_blocks, block_size, KVH] fp16; block_tables: [B, max_blocks]
-// int64; seq_lens: [B] int64 (>= 1). Returns [B, H, D].
+// int64; seq_lens: [B] int64 (>= 1); window: 0 or the tokens a query sees (itself
+// included); softcap: 0 or the logit cap; v_dim: 0, or the value width Dv < D of MLA's
+// latent rows. Returns [B, H, Dv].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   c10::optional<at::Tensor> k_scales,
-                                  c10::optional<at::Tensor> v_scales) {
+                                  c10::optional<at::Tensor> v_scales, int64_t window,
+                                  double softcap, int64_t v_dim) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode_attention: bad ranks");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: K/V dtype mismatch");
   const bool quantized = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -322,12 +344,15 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(D <= kMaxHeadDim && k_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: bad shapes");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_decode_attention: K and V caches of one shape");
+  const int64_t Dv = v_dim > 0 ? v_dim : D;
+  TORCH_CHECK(Dv <= D, "paged_decode_attention: v_dim at most the head dim");
   if (quantized)
     for (const auto& s : {*k_scales, *v_scales})
       TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 3 &&
                       s.size(0) == k_cache.size(0) && s.size(1) == block_size && s.size(2) == KVH,
                   "paged_decode_attention: scales must be contiguous fp16 [num_blocks, block_size, KVH]");
-  auto out = at::empty_like(q);
+  auto out = at::empty({B, H, Dv}, q.options());
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_decode_attention: float32 or bfloat16 only");
   const at::Half* ks = quantized ? k_scales->data_ptr<at::Half>() : nullptr;
@@ -339,11 +364,13 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
         q.data_ptr<scalar_t>(), reinterpret_cast<const cache_t*>(k_cache.data_ptr()),
         reinterpret_cast<const cache_t*>(v_cache.data_ptr()), ks, vs,
         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D,
-        block_size, block_tables.size(1), static_cast<float>(scale));
+        Dv, block_size, block_tables.size(1), static_cast<float>(scale), window,
+        static_cast<float>(softcap));
   };
   auto by_dim = [&](auto type_tag, auto cache_tag) {
     if (D == 64) run(type_tag, cache_tag, std::integral_constant<int64_t, 64>{});
     else if (D == 128) run(type_tag, cache_tag, std::integral_constant<int64_t, 128>{});
+    else if (D == 576) run(type_tag, cache_tag, std::integral_constant<int64_t, 576>{});  // MLA's 512 + 64
     else run(type_tag, cache_tag, std::integral_constant<int64_t, 0>{});
   };
   auto by_cache = [&](auto type_tag) {

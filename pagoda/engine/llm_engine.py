@@ -99,6 +99,10 @@ class LLMEngine:
             cache_config.enable_prefix_caching,
             num_host_blocks=self.model_runner.num_host_blocks,
             dtype=self.model_runner.kv_cache_dtype_name,
+            bytes_per_token=(
+                self.model_runner.bytes_per_block // cache_config.block_size,
+                self.model_runner.kv_expanded_bytes_per_token,
+            ),
         )
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer,

@@ -16,12 +16,12 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
+from pagoda.model_executor.gguf_loader import gguf_config, gguf_reader, iter_gguf_weights
+from pagoda.model_executor.models import ARCHITECTURES
 from pagoda.model_executor.quantization import (
     BLOCK,
-    GGUF_PLAIN_TYPES,
     QuantizedWeight,
     from_awq,
     from_gguf,
@@ -29,15 +29,6 @@ from pagoda.model_executor.quantization import (
     quantize_per_channel,
 )
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "OlmoeForCausalLM",
-    "LlavaForConditionalGeneration",
-)
 # A vision-language model's text half, by its config's model_type.
 _TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -46,11 +37,6 @@ _TEXT_ARCHITECTURES = {
 }
 # Weights that stay floats whatever the quantization: a vision encoder and its projector.
 _FLOAT_ONLY = ("vision_tower.", "multi_modal_projector.")
-_GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM",
-}
 
 
 def resolve_model(model: str | None) -> tuple[str, bool]:
@@ -77,10 +63,10 @@ def resolve_model(model: str | None) -> tuple[str, bool]:
 
 def check_architecture(hf_config: dict[str, Any], path: str) -> None:
     archs = hf_config.get("architectures") or []
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+    if not archs or archs[0] not in ARCHITECTURES:
         raise ValueError(
             f"model {path!r}: architecture {archs or None} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            f"supported: {', '.join(ARCHITECTURES)}."
         )
 
 
@@ -98,21 +84,61 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str = "cpu") ->
 
 def load_hf_config(path: str, is_gguf: bool) -> dict[str, Any]:
     if is_gguf:
-        return _gguf_config(_gguf_reader(path))
+        return gguf_config(gguf_reader(path))
     config_path = os.path.join(path, "config.json")
     try:
         with open(config_path) as f:
             config = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {config_path}: {e}") from e
+    config = _normalized(config)
+    archs = config.get("architectures") or []
+    if archs and archs[0] in _TEXT_HALF_OF:
+        return _text_half(config)
     if "text_config" in config and "vision_config" in config:
         config = _flatten_vision_language(config)
-    # transformers 5 writes rope settings as rope_parameters; older files as rope_theta/rope_scaling.
-    rope = config.get("rope_parameters") or {}
-    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-    if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
-        config["rope_scaling"] = rope
     return config
+
+
+# Checkpoints whose text model pagoda serves alone (their vision tower is not loaded).
+_TEXT_HALF_OF = ("Gemma3ForConditionalGeneration",)
+
+
+def _normalized(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as transformers 5 reads it (its config class fills what older files
+    leave out: rope_parameters, layer_types from a sliding-window pattern, SmolLM3's
+    no_rope_layers, ...), so every family reads one form. A model type transformers
+    does not know stays as written (and is refused by architecture later)."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    model_type = config.get("model_type")
+    if not model_type:
+        return config
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes on old-style fields are not ours to show
+    try:
+        fields = {k: v for k, v in config.items() if k != "model_type"}
+        return {**config, **AutoConfig.for_model(model_type, **fields).to_dict()}
+    except (ValueError, KeyError, TypeError):
+        return config
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _text_half(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text model (Gemma 3 4B and up): its text_config's keys
+    at the top, the architecture the whole checkpoint's."""
+    text = dict(config.get("text_config") or {})
+    return {
+        **text,
+        "architectures": config["architectures"],
+        "tie_word_embeddings": config.get(
+            "tie_word_embeddings", text.get("tie_word_embeddings", True)
+        ),
+        "eos_token_id": config.get("eos_token_id", text.get("eos_token_id")),
+        "bos_token_id": config.get("bos_token_id", text.get("bos_token_id")),
+    }
 
 
 def _flatten_vision_language(config: dict[str, Any]) -> dict[str, Any]:
@@ -147,86 +173,6 @@ def _flatten_vision_language(config: dict[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": config.get(
             "tie_word_embeddings", text.get("tie_word_embeddings", False)
         ),
-    }
-
-
-def _gguf_reader(path: str):
-    """A parse of the file (memory-mapped). Not kept: its metadata objects alone take
-    about 150 MiB for a 49k-token vocabulary, so the config and the weights each parse
-    and let go (about a second each)."""
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # the gguf package raises assorted errors on bad files
-        raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
-
-
-def _gguf_fields(reader) -> dict[str, Any]:
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(
-            ("tokens", "token_type", "merges", "scores")
-        ):
-            continue  # large arrays the tokenizer loader reads itself
-        try:
-            out[key] = field.contents()
-        except Exception:
-            continue
-    return out
-
-
-def _gguf_config(reader) -> dict[str, Any]:
-    meta = _gguf_fields(reader)
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
-        return {"architectures": [f"gguf:{arch}"]}
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
-
-    tensor_names = {t.name for t in reader.tensors}
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    # Experts come stacked per layer. llama.cpp writes Mixtral as "llama" with experts.
-    experts = {}
-    if arch == "llama" and get("expert_count"):
-        experts = {
-            "architectures": ["MixtralForCausalLM"],
-            "num_local_experts": int(get("expert_count")),
-            "num_experts_per_tok": int(get("expert_used_count")),
-        }
-    elif arch == "qwen2moe":
-        experts = {
-            "num_experts": int(get("expert_count")),
-            "num_experts_per_tok": int(get("expert_used_count")),
-            "moe_intermediate_size": int(get("expert_feed_forward_length")),
-            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0)),
-            "norm_topk_prob": bool(get("expert_weights_norm", False)),
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        }
-    return {
-        "architectures": [_GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
-        "head_dim": int(
-            get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads
-        ),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "vocab_size": int(vocab),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": arch in ("qwen2", "qwen2moe"),
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        **experts,
     }
 
 
@@ -275,7 +221,9 @@ def iter_weights(
     on the module name, with or without "model.": "lm_head", "layers.0.*") stay floats.
     """
     if is_gguf:
-        source = _iter_gguf_weights(path, hf_config, quantization == "auto", keep_full_precision)
+        source = iter_gguf_weights(
+            path, hf_config, quantization == "auto", lambda n: _kept(n, keep_full_precision)
+        )
     elif "quantization_config" in hf_config:
         source = _iter_int4_checkpoint(
             _iter_safetensors(path), hf_config["quantization_config"], quantization == "auto"
@@ -390,107 +338,6 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weight file {file!r}: {e}") from e
 
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-}
-# An MoE layer's experts, stacked [experts, rows, columns] in one tensor each.
-_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
-_GGUF_TOP_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    """The Hugging Face name (for stacked experts: with `{}` where the expert goes)."""
-    stem, _, suffix = name.rpartition(".")  # suffix: weight | bias
-    if stem.startswith("blk."):
-        _, layer, part = stem.split(".", 2)
-        if part in _GGUF_EXPERT_NAMES:
-            return f"model.layers.{layer}.mlp.experts.{{}}.{_GGUF_EXPERT_NAMES[part]}.{suffix}"
-        mapped = _GGUF_LAYER_NAMES.get(part)
-        return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
-    mapped = _GGUF_TOP_NAMES.get(stem)
-    return f"{mapped}.{suffix}" if mapped else None
-
-
-def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
-    # llama.cpp stores Llama q/k rows interleaved per rotary pair; undo that.
-    half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _iter_gguf_weights(
-    path: str, hf_config: dict[str, Any], keep_quantized: bool, keep_full_precision: Sequence[str]
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    from gguf.quants import dequantize
-
-    reader = _gguf_reader(path)
-    is_llama = hf_config.get("model_type") == "llama"
-    for tensor in reader.tensors:
-        name = _gguf_to_hf_name(tensor.name)
-        if name is None:
-            continue  # e.g. rope_freqs, recomputed from the config
-        rope_heads = None
-        if is_llama and name.endswith(("q_proj.weight", "k_proj.weight")):
-            rope_heads = hf_config[
-                "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
-            ]
-        stacked = "{}" in name  # experts: one weight each, as Hugging Face names them
-        if (
-            keep_quantized
-            and tensor.tensor_type.name not in GGUF_PLAIN_TYPES
-            and not _kept(name, keep_full_precision)
-        ):
-            try:
-                if stacked:
-                    for expert, data in enumerate(tensor.data):
-                        yield name.format(expert), from_gguf(tensor.tensor_type.name, data)
-                    continue
-                weight = from_gguf(tensor.tensor_type.name, tensor.data)
-            except (NotImplementedError, ValueError) as e:
-                raise ValueError(
-                    f"GGUF {path!r}: cannot read {tensor.name} ({tensor.tensor_type.name}): {e}"
-                ) from e
-            if rope_heads is not None:  # the same row order as the dequantized path
-                order = _unpermute_rope(np.arange(weight.shape[0]), rope_heads)
-                weight = weight.rows(torch.from_numpy(order))
-            yield name, weight
-            continue
-        try:
-            w = dequantize(tensor.data, tensor.tensor_type)
-        except (NotImplementedError, ValueError) as e:
-            raise ValueError(
-                f"GGUF {path!r}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {e}"
-            ) from e
-        w = np.array(
-            w.reshape(tuple(reversed(tensor.shape.tolist()))), dtype=np.float32
-        )  # owned, writable
-        if rope_heads is not None:
-            w = _unpermute_rope(w, rope_heads)
-        if stacked:
-            for expert in range(w.shape[0]):
-                yield name.format(expert), torch.from_numpy(w[expert])
-            continue
-        if name.endswith("shared_expert_gate.weight"):
-            w = w.reshape(1, -1)  # llama.cpp keeps this one-row matrix as a vector
-        yield name, torch.from_numpy(w)
-
-
 # ---- tokenizer -------------------------------------------------------------------
 
 
@@ -504,9 +351,18 @@ def load_tokenizer(path: str, is_gguf: bool):
         cached = _tokenizer_cache_dir(path)
         if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
             return AutoTokenizer.from_pretrained(cached)
-        tokenizer = AutoTokenizer.from_pretrained(
-            os.path.dirname(path) or ".", gguf_file=os.path.basename(path)
-        )
+        folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except ValueError as e:
+            if "architecture" not in str(e):
+                raise
+            # transformers reads the file's model config first and knows fewer
+            # architectures than pagoda (granite, smollm3, deepseek2); the vocabulary
+            # itself is a kind it builds (gpt2, llama, ...).
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
         with contextlib.suppress(OSError):  # a read-only cache only costs time
             tokenizer.save_pretrained(cached)
         return tokenizer

@@ -7,16 +7,21 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.attention.kv_cache import dequantize_kv, gather
+from pagoda.attention.paged import AttentionParams, attend
 from pagoda.model_executor.quantization import OFFSETS, PER_CHANNEL, QuantizedWeight
 
 linear = F.linear  # (x [T, in], weight [out, in], bias [out] | None) -> [T, out]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 and rounded where Hugging Face rounds."""
+    """RMSNorm over the last dim, computed in float32 and rounded where Hugging Face rounds:
+    Llama's before the weight; with a float32 weight on lower-precision rows, Gemma's
+    after it (the weight then holds 1 + w)."""
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and dtype != torch.float32:
+        return (h * weight).to(dtype)
     return weight * h.to(dtype)
 
 
@@ -32,11 +37,12 @@ def rotary_embedding(
     qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """qk [T, heads, D] rotated at `positions` [T] (rotate-half layout); cos/sin
-    [max_position, D/2] float32."""
-    cos = cos[positions].unsqueeze(1).to(qk.dtype)  # [T, 1, D/2]
+    [max_position, R/2] float32 with R <= D (partial rotary: dims R.. pass through)."""
+    half = cos.shape[1]
+    cos = cos[positions].unsqueeze(1).to(qk.dtype)  # [T, 1, R/2]
     sin = sin[positions].unsqueeze(1).to(qk.dtype)
-    x1, x2 = qk.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2, rest = qk.split([half, half, qk.shape[-1] - 2 * half], dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 def decode_attention(
@@ -48,11 +54,16 @@ def decode_attention(
     scale: float,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    v_dim: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
     q [B, H, D]; caches [N, bs, KVH, D] (quantized ones with scales [N, bs, KVH]);
-    block_tables [B, MB]; seq_lens [B] -> [B, H, D].
+    block_tables [B, MB]; seq_lens [B] -> [B, H, Dv]. `window` > 0: each query sees its
+    `window` latest keys only (itself included); `softcap` > 0: capped logits; `v_dim`
+    > 0: values are the first v_dim dims of each row (MLA's latent rows), else Dv = D.
     """
     keys = gather(k_cache, block_tables)  # [B, S, KVH, D]
     values = gather(v_cache, block_tables)
@@ -61,12 +72,24 @@ def decode_attention(
         keys = dequantize_kv(keys, gather(k_scales, block_tables), torch.float32)
         values = dequantize_kv(values, gather(v_scales, block_tables), torch.float32)
         query = q.float()
+    if v_dim:
+        values = values[..., :v_dim]
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, KVH, S, D]
     positions = torch.arange(keys.shape[2], device=q.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    o = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    mask = positions[None, :] < seq_lens[:, None]  # [B, S]
+    if window:
+        mask &= positions[None, :] >= (seq_lens - window)[:, None]
+    params = AttentionParams(scale, window, softcap)
+    if softcap:
+        o = torch.cat([
+            attend(query[b, None, :, None], keys[b, None], values[b, None], mask[b, None], params)
+            for b in range(q.shape[0])
+        ])  # fmt: skip
+    else:
+        o = F.scaled_dot_product_attention(
+            query.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
     return o.squeeze(2).to(q.dtype)
 
 

@@ -60,26 +60,41 @@ def group_pad(group: int) -> int:
 
 
 @triton.jit
-def _row_splits(seq_len, min_blocks, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """(blocks of the row, blocks per split, the row's splits)."""
+def _row_splits(seq_len, window, min_blocks, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(the row's first block its window reaches, its blocks, blocks per split, its
+    splits): the blocks from the first one on split evenly."""
     blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-    per_split = tl.maximum(min_blocks, (blocks + MAX_SPLITS - 1) // MAX_SPLITS)
-    return blocks, per_split, (blocks + per_split - 1) // per_split
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0) // BLOCK_SIZE, 0)
+    span = blocks - first
+    per_split = tl.maximum(min_blocks, (span + MAX_SPLITS - 1) // MAX_SPLITS)
+    return first, blocks, per_split, (span + per_split - 1) // per_split
 
 
-@triton.jit(do_not_specialize=["scale", "min_blocks", "num_splits", "stride_tb"])
+@triton.jit
+def _softcap(s, softcap):
+    """softcap * tanh(s / softcap), tanh from exp (Triton's core has none)."""
+    x = s / softcap
+    t = tl.exp(-2.0 * tl.abs(x))
+    return softcap * tl.where(x < 0, -1.0, 1.0) * (1.0 - t) / (1.0 + t)
+
+
+@triton.jit(
+    do_not_specialize=["scale", "window", "softcap", "min_blocks", "num_splits", "stride_tb"]
+)
 def _decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr,  # inputs
     m_ptr, l_ptr, acc_ptr,  # partial results [B, H, S] and [B, H, S, D]
-    scale, min_blocks, num_splits,  # run-time: no compile per table width
+    scale, window, softcap, min_blocks, num_splits,  # run-time: no compile per table width
     stride_tb, stride_kn, stride_kb, stride_kh,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    blocks, per_split, _ = _row_splits(seq_len, min_blocks, BLOCK_SIZE, MAX_SPLITS)
-    first = split * per_split
+    lo, blocks, per_split, _ = _row_splits(seq_len, window, min_blocks, BLOCK_SIZE, MAX_SPLITS)
+    first = lo + split * per_split
+    oldest = tl.where(window > 0, seq_len - window, 0)  # the first key the query sees
     count = tl.minimum(per_split, blocks - first)  # <= 0: a split past the row's end
     heads = kvh * GROUP + tl.arange(0, GROUP_PAD)  # this KV head's query heads
     head_ok = tl.arange(0, GROUP_PAD) < tl.where(count > 0, GROUP, 0)
@@ -92,7 +107,8 @@ def _decode_partial(
     t = tl.arange(0, BLOCK_SIZE)
     for i in range(count):
         logical = first + i
-        ok = logical * BLOCK_SIZE + t < seq_len
+        pos = logical * BLOCK_SIZE + t
+        ok = (pos < seq_len) & (pos >= oldest)
         block = tl.load(tables_ptr + b * stride_tb + logical)
         offs = (
             block.to(tl.int64) * stride_kn + kvh * stride_kh + t[:, None] * stride_kb + d[None, :]
@@ -100,10 +116,13 @@ def _decode_partial(
         k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a block before the window
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
@@ -113,14 +132,14 @@ def _decode_partial(
     tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=head_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["min_blocks", "num_splits"])
+@triton.jit(do_not_specialize=["window", "min_blocks", "num_splits"])
 def _decode_merge(
-    m_ptr, l_ptr, acc_ptr, o_ptr, lens_ptr, min_blocks, num_splits,
+    m_ptr, l_ptr, acc_ptr, o_ptr, lens_ptr, window, min_blocks, num_splits,
     H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)  # b * H + h
     seq_len = tl.load(lens_ptr + row // H)
-    _, _, splits = _row_splits(seq_len, min_blocks, BLOCK_SIZE, MAX_SPLITS)
+    _, _, _, splits = _row_splits(seq_len, window, min_blocks, BLOCK_SIZE, MAX_SPLITS)
     s = tl.arange(0, MAX_SPLITS)
     valid = s < splits  # the row's own splits: each saw at least one key
     m = tl.load(m_ptr + row * num_splits + s, mask=valid, other=float("-inf"))
@@ -143,11 +162,14 @@ def decode_attention(
     scale: float,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
     min_blocks_per_split: int = MIN_BLOCKS_PER_SPLIT,
 ) -> torch.Tensor:
     """`torch_ops.decode_attention`: q [B, H, D], caches [N, bs, KVH, D], block_tables
-    [B, MB], seq_lens [B] (each >= 1) -> [B, H, D]. Each row's context runs in up to
-    MAX_SPLITS parallel pieces of at least `min_blocks_per_split` blocks."""
+    [B, MB], seq_lens [B] (each >= 1) -> [B, H, D]. Each row's context (its window's
+    blocks) runs in up to MAX_SPLITS parallel pieces of at least `min_blocks_per_split`
+    blocks."""
     if k_scales is not None or v_scales is not None:
         raise NotImplementedError("decode_attention (Triton): quantized KV caches")
     B, H, D = q.shape
@@ -161,27 +183,29 @@ def decode_attention(
     acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
     q = q.contiguous()
     _decode_partial[(B, KVH, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale, min_blocks_per_split,
-        num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale, window, softcap or 1.0,
+        min_blocks_per_split, num_splits,
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, GROUP=group, GROUP_PAD=group_pad(group), D=D,
         BLOCK_SIZE=block_size, MAX_SPLITS=MAX_SPLITS, PRECISION=_precision(k_cache.dtype),
+        SOFTCAP=bool(softcap),
     )  # fmt: skip
     out = torch.empty_like(q)
     _decode_merge[(B * H,)](
-        m, l, acc, out, seq_lens, min_blocks_per_split, num_splits,
+        m, l, acc, out, seq_lens, window, min_blocks_per_split, num_splits,
         H=H, D=D, BLOCK_SIZE=block_size, MAX_SPLITS=MAX_SPLITS,
     )  # fmt: skip
     return out
 
 
-@triton.jit(do_not_specialize=["scale", "stride_tb"])
+@triton.jit(do_not_specialize=["scale", "window", "softcap", "stride_tb"])
 def _prefill_attention(
     q_ptr, k_ptr, v_ptr, o_ptr, starts_ptr, qlens_ptr, ctx_ptr, tables_ptr,
-    scale,
+    scale, window, softcap,
     stride_tb, stride_kn, stride_kb, stride_kh,
     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     chunk, h, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     qlen = tl.load(qlens_ptr + chunk)
@@ -197,10 +221,12 @@ def _prefill_attention(
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        # Query i sits at position ctx + i and sees keys 0 .. ctx + i.
+        # Query i sits at position ctx + i and sees keys 0 .. ctx + i (with a window,
+        # ctx + i - window + 1 .. ctx + i).
         last = ctx + tl.minimum(qlen, (mblock + 1) * BLOCK_M) - 1
+        oldest = tl.where(window > 0, tl.maximum(ctx + mblock * BLOCK_M - window + 1, 0), 0)
         t = tl.arange(0, BLOCK_SIZE)
-        for logical in range(0, tl.cdiv(last + 1, BLOCK_SIZE)):
+        for logical in range(oldest // BLOCK_SIZE, tl.cdiv(last + 1, BLOCK_SIZE)):
             block = tl.load(tables_ptr + chunk * stride_tb + logical)
             pos = logical * BLOCK_SIZE + t
             key_ok = pos <= last
@@ -213,7 +239,11 @@ def _prefill_attention(
             k = tl.load(k_ptr + offs, mask=key_ok[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_ptr + offs, mask=key_ok[:, None], other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if SOFTCAP:
+                s = _softcap(s, softcap)
             visible = (pos[None, :] <= (ctx + rows)[:, None]) & key_ok[None, :]
+            if window > 0:
+                visible &= pos[None, :] > (ctx + rows)[:, None] - window
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows past qlen see nothing
@@ -236,13 +266,16 @@ def prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Prefill chunks over their paged context, causal, varlen: chunk c's queries are
     q[query_starts[c] : + query_lens[c]] [.., H, D], at positions context_lens[c] + i,
     each seeing its request's keys up to its own position (this step's K/V already
     written to the caches [N, bs, KVH, D]; block_tables [C, MB]). `max_query_len`:
-    the longest chunk, if the caller knows it (else read off the device: a sync).
-    Returns [T, H, D] (rows of no chunk untouched: uninitialized)."""
+    the longest chunk, if the caller knows it (else read off the device: a sync);
+    `window`, `softcap`: as `decode_attention`'s. Returns [T, H, D] (rows of no chunk
+    untouched: uninitialized)."""
     T, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     _check_shapes(H, KVH, D, block_size)
@@ -257,31 +290,34 @@ def prefill_attention(
     grid = (len(query_lens), H, triton.cdiv(max_qlen, block_m))
     _prefill_attention[grid](
         q, k_cache, v_cache, out, query_starts, query_lens, context_lens, block_tables, scale,
+        window, softcap or 1.0,
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, GROUP=H // KVH, D=D, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        PRECISION=_precision(k_cache.dtype),
+        PRECISION=_precision(k_cache.dtype), SOFTCAP=bool(softcap),
     )  # fmt: skip
     return out
 
 
-def paged_attention(q, k, v, cache, meta, scale: float) -> torch.Tensor:
+def paged_attention(q, k, v, cache, meta, params) -> torch.Tensor:
     """The step's attention (the `attention` op): k, v [T, KVH, D] written to their
     slots, then decodes through `decode_attention` and prefill chunks through
     `prefill_attention`, both reading the paged cache (a `LayerKV`) through the
-    block tables of `meta` (an `AttentionMetadata`). q [T, H, D] -> [T, H, D]."""
+    block tables of `meta` (an `AttentionMetadata`), with the layer's scale, window
+    and soft cap (`params`, an AttentionParams). q [T, H, D] -> [T, H, D]."""
     if cache.quantized:
         raise NotImplementedError("the Triton attention: quantized KV caches")
     write_kv(k.contiguous(), v.contiguous(), cache.k, cache.v, meta.slot_mapping)
     nd = meta.num_decodes
-    decode_args = (cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    decode_args = (cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, params.scale)
+    extra = dict(window=params.window, softcap=params.softcap)
     if nd == q.shape[0]:  # a decode-only step (what a CUDA graph replays)
-        return decode_attention(q, *decode_args)
+        return decode_attention(q, *decode_args, **extra)
     out = prefill_attention(
         q, cache.k, cache.v, meta.prefill_starts, meta.prefill_lens, meta.prefill_contexts,
-        meta.prefill_tables, scale, max(meta.prefill_query_lens),
+        meta.prefill_tables, params.scale, max(meta.prefill_query_lens), **extra,
     )  # fmt: skip
     if nd:
-        out[:nd] = decode_attention(q[:nd], *decode_args)
+        out[:nd] = decode_attention(q[:nd], *decode_args, **extra)
     return out
 
 
@@ -289,7 +325,7 @@ def paged_attention(q, k, v, cache, meta, scale: float) -> torch.Tensor:
 
 
 @triton.jit
-def _add_rms_norm(x_ptr, res_ptr, w_ptr, n, eps, BLOCK: tl.constexpr):
+def _add_rms_norm(x_ptr, res_ptr, w_ptr, n, eps, BLOCK: tl.constexpr, GEMMA: tl.constexpr):
     # Math in float32, rounded to the dtype where the twin's eager ops round (loads are
     # widened first: bf16 arithmetic is not the same in Triton's interpreter).
     row = tl.program_id(0).to(tl.int64)
@@ -302,7 +338,9 @@ def _add_rms_norm(x_ptr, res_ptr, w_ptr, n, eps, BLOCK: tl.constexpr):
     tl.store(res_ptr + row * n + c, h, mask=ok)
     hf = h.to(tl.float32)
     inv = tl.rsqrt(tl.sum(hf * hf, 0) / n + eps)
-    normed = (hf * inv).to(dtype).to(tl.float32)  # rounded where Hugging Face rounds
+    normed = hf * inv
+    if not GEMMA:  # Llama rounds before the weight; Gemma (a float32 1 + w) after it
+        normed = normed.to(dtype).to(tl.float32)
     w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
     tl.store(x_ptr + row * n + c, (w * normed).to(dtype), mask=ok)
 
@@ -313,12 +351,18 @@ def add_rms_norm(
     """In place: residual <- x + residual, x <- RMSNorm(residual) * weight; returns both."""
     assert x.is_contiguous() and residual.is_contiguous()
     rows, n = x.shape
-    _add_rms_norm[(rows,)](x, residual, weight, n, eps, BLOCK=triton.next_power_of_2(n))
+    gemma = weight.dtype == torch.float32 and x.dtype != torch.float32
+    _add_rms_norm[(rows,)](
+        x, residual, weight, n, eps, BLOCK=triton.next_power_of_2(n), GEMMA=gemma
+    )
     return x, residual
 
 
 @triton.jit
-def _rotary(qk_ptr, pos_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rotary(
+    qk_ptr, pos_ptr, cos_ptr, sin_ptr, heads,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):  # fmt: skip
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i = tl.arange(0, HALF_PAD)
     ok = i < HALF
@@ -326,7 +370,7 @@ def _rotary(qk_ptr, pos_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, HALF_P
     dtype = qk_ptr.dtype.element_ty
     c = tl.load(cos_ptr + p * HALF + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
     s = tl.load(sin_ptr + p * HALF + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    base = qk_ptr + (t * heads + h) * 2 * HALF
+    base = qk_ptr + (t * heads + h) * D  # dims 2 * HALF.. (partial rotary) stay
     x1 = tl.load(base + i, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + i, mask=ok, other=0.0).to(tl.float32)
     # Each product rounded to the dtype, then the sum: as the twin's eager ops do.
@@ -340,12 +384,13 @@ def rotary_embedding(
     qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """qk [T, heads, D] rotated at positions [T] (in place when contiguous, else in a
-    contiguous copy: a view of the fused q/k/v product); cos/sin [max_pos, D/2]."""
+    contiguous copy: a view of the fused q/k/v product); cos/sin [max_pos, R/2], R <= D
+    (partial rotary: dims R.. pass through)."""
     qk = qk.contiguous()
     T, heads, D = qk.shape
-    half = D // 2
+    half = cos.shape[1]
     _rotary[(T, heads)](
-        qk, positions, cos, sin, heads, HALF=half, HALF_PAD=triton.next_power_of_2(half)
+        qk, positions, cos, sin, heads, D=D, HALF=half, HALF_PAD=triton.next_power_of_2(half)
     )
     return qk
 

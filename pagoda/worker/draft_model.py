@@ -50,12 +50,10 @@ class DraftModel:
         self.kv_cache: PagedKVCache | None = None  # allocate_kv_cache
 
     def bytes_per_block(self, dtype: torch.dtype) -> int:
-        layers, kv_heads, head_dim = self.kv_shape
-        return PagedKVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, dtype)
+        return PagedKVCache.bytes_per_block_of(self.kv_shape, self.block_size, dtype)
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        layers, kv_heads, head_dim = self.kv_shape
-        self.kv_cache = PagedKVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, dtype)
+        self.kv_cache = PagedKVCache.of(self.kv_shape, num_blocks, self.block_size, dtype)
         attach_kv_cache(self.model, self.kv_cache)
         if not self.model_config.enforce_eager:  # the loop holds the layers' caches
             self.model.build_decode_loop()

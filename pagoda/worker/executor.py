@@ -96,6 +96,9 @@ class Worker:
             "kv_cache_dtype_name": runner.kv_cache_dtype_name,
             "vocab_size": runner.vocab_size,
             "bytes_per_block": self.context.sum_over_workers(runner.bytes_per_block),
+            "kv_expanded_bytes_per_token": self.context.sum_over_workers(
+                runner.kv_expanded_bytes_per_token
+            ),
         }
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -139,6 +142,7 @@ class Executor:
         self.kv_cache_dtype_name = info["kv_cache_dtype_name"]
         self.vocab_size = info["vocab_size"]
         self.bytes_per_block = info["bytes_per_block"]  # all shards of one block
+        self.kv_expanded_bytes_per_token = info["kv_expanded_bytes_per_token"]
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(sched)

@@ -52,10 +52,10 @@ def gpu_kv_budget(
     torch.cuda.reset_peak_memory_stats(device)
     tokens = config.max_num_batched_tokens
     lengths = [min(max_model_len, tokens - s) for s in range(0, tokens, max_model_len)]
-    num_layers, kv_heads, head_dim = kv_cache_shape(model)
+    shape = kv_cache_shape(model)
     dtype = next(model.parameters()).dtype
     blocks = [-(-n // block_size) for n in lengths]
-    cache = PagedKVCache(num_layers, sum(blocks), block_size, kv_heads, head_dim, dtype, device)
+    cache = PagedKVCache.of(shape, sum(blocks), block_size, dtype, device=device)
     attach_kv_cache(model, cache)
     reqs, first = [], 0
     for i, (n, b) in enumerate(zip(lengths, blocks, strict=True)):
@@ -70,7 +70,7 @@ def gpu_kv_budget(
     torch.cuda.synchronize(device)
     cache_bytes = cache.data.numel() * cache.data.element_size()
     peak = torch.cuda.max_memory_allocated(device) - before - cache_bytes
-    attach_kv_cache(model, PagedKVCache(num_layers, 0, block_size, kv_heads, head_dim, dtype))
+    attach_kv_cache(model, PagedKVCache.of(shape, 0, block_size, dtype))
     del cache, hidden  # (the layers held views of it until now)
     torch.cuda.empty_cache()
     budget = int(config.gpu_memory_utilization * total) - in_use - peak

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from pagoda.attention.context import AttentionMetadata, forward_context
-from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache, SwapPool
+from pagoda.attention.kv_cache import KV_CACHE_DTYPES, KVShape, PagedKVCache, SwapPool
 from pagoda.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.lora.manager import LoRAManager
 from pagoda.model_executor import model_loader
 from pagoda.model_executor.layers.attention import Attention
-from pagoda.model_executor.models import MODEL_REGISTRY
+from pagoda.model_executor.models import model_class
 from pagoda.ops import select_ops
 from pagoda.sample.sampler import SamplingTensors, compute_logprobs, sample
 
@@ -125,11 +125,9 @@ class ModelRunner:
     def _allocate_kv_cache(self, budget_bytes: int, kv_cache_dtype: str) -> int:
         """As many blocks as the budget holds; with a draft model each block also holds
         the draft's K/V for its tokens, in a pool of its own."""
-        num_layers, kv_heads, head_dim = kv_cache_shape(self.model)
+        shape = kv_cache_shape(self.model)
         dtype = KV_CACHE_DTYPES.get(kv_cache_dtype, self.dtype)
-        self.bytes_per_block = PagedKVCache.bytes_per_block(
-            num_layers, self.block_size, kv_heads, head_dim, dtype
-        )
+        self.bytes_per_block = PagedKVCache.bytes_per_block_of(shape, self.block_size, dtype)
         per_block = self.bytes_per_block
         if self.drafter is not None:
             per_block += self.drafter.bytes_per_block(dtype)
@@ -141,8 +139,8 @@ class ModelRunner:
                 f"kv_cache_memory_bytes ({budget_bytes}) is smaller than one block "
                 f"({per_block} bytes)."
             )
-        self.kv_cache = PagedKVCache(
-            num_layers, num_blocks, self.block_size, kv_heads, head_dim, dtype, self.device
+        self.kv_cache = PagedKVCache.of(
+            shape, num_blocks, self.block_size, dtype, device=self.device
         )
         attach_kv_cache(self.model, self.kv_cache)
         if self.drafter is not None:
@@ -150,13 +148,22 @@ class ModelRunner:
         self.kv_cache_dtype_name = (
             kv_cache_dtype if kv_cache_dtype != "auto" else str(dtype).removeprefix("torch.")
         )
+        per_token = self.bytes_per_block // self.block_size
+        # What K and V of every head would take: MLA's latent rows stand for more.
+        self.kv_expanded_bytes_per_token = (
+            expanded_kv_bytes_per_token(self.model, dtype) or per_token
+        )
         logger.info(
-            "KV cache: %d blocks of %d tokens in %s (%.1f MiB, %d bytes per token)",
+            "KV cache: %d blocks of %d tokens in %s (%.1f MiB, %d bytes per token%s)",
             num_blocks,
             self.block_size,
             self.kv_cache_dtype_name,
             num_blocks * self.bytes_per_block / 2**20,
-            self.bytes_per_block // self.block_size,
+            per_token,
+            ""
+            if self.kv_expanded_bytes_per_token == per_token
+            else f"; latent rows: expanded K and V would take {self.kv_expanded_bytes_per_token}"
+            f", {self.kv_expanded_bytes_per_token / per_token:.1f}x more",
         )
         return num_blocks
 
@@ -413,8 +420,9 @@ def load_model(mc: ModelConfig, ops, parallel: ParallelContext = SINGLE) -> torc
     # Built with uninitialized (so never touched, never resident) float32 weights; each
     # gets its storage as it loads, in the model's dtype or in its quantized blocks.
     # (Not the meta device: its first use imports about 70 MiB of Python.)
-    cls = MODEL_REGISTRY[mc.architecture]
-    model = cls(mc.hf_config, ops) if parallel is SINGLE else cls(mc.hf_config, ops, parallel)
+    cls = model_class(mc.architecture)
+    cfg = {**mc.hf_config, "max_model_len": mc.max_model_len}  # the rope tables' length
+    model = cls(cfg, ops) if parallel is SINGLE else cls(cfg, ops, parallel)
     weights = model_loader.iter_weights(
         mc.path, mc.is_gguf, mc.hf_config, mc.quantization, mc.keep_full_precision
     )
@@ -423,10 +431,23 @@ def load_model(mc: ModelConfig, ops, parallel: ParallelContext = SINGLE) -> torc
     return model.eval()
 
 
-def kv_cache_shape(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(attention layers, KV heads, head dim) of a model's paged K/V."""
+def kv_cache_shape(model: torch.nn.Module) -> KVShape:
+    """What a model's paged cache holds: its attention layers', all alike."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    return len(layers), layers[0].num_kv_heads, layers[0].head_dim
+    first = layers[0]
+    return KVShape(len(layers), first.num_kv_heads, first.head_dim, first.num_kv)
+
+
+def expanded_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int | None:
+    """What the K and V of every head of every layer take per token in `dtype` where
+    the cache holds latent rows instead (MLA), else None."""
+    from pagoda.model_executor.layers.mla import MLAttention
+
+    layers = [m for m in model.modules() if isinstance(m, MLAttention)]
+    if not layers:
+        return None
+    size = torch.tensor([], dtype=dtype).element_size()
+    return sum(layer.kv_bytes_per_token(size)[1] for layer in layers)
 
 
 def attach_kv_cache(model: torch.nn.Module, kv_cache: PagedKVCache) -> None:

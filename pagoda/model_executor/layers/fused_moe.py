@@ -20,10 +20,15 @@ index_add.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.distributed import SINGLE, ParallelContext
+from pagoda.model_executor.layers.linear import Linear
+from pagoda.model_executor.layers.mlp import GatedMLP, MLPConfig
 from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.ops import Ops
 
@@ -77,6 +82,23 @@ class FusedMoE(nn.Module):
         xs, token_of, pair_weights, counts = self.ops.moe_group(
             x, router_logits, self.top_k, self.renormalize
         )
+        return self._experts(xs, token_of, pair_weights, counts, x.shape[0])
+
+    def forward_routed(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts for a routing made elsewhere (DeepSeek's grouped, biased choice):
+        expert_ids [T, k], weights [T, k] float32."""
+        flat = expert_ids.reshape(-1)  # pair p is token p // k
+        order = torch.argsort(flat, stable=True)
+        token_of = order // expert_ids.shape[1]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        pair_weights = weights.reshape(-1)[order]
+        return self._experts(x.index_select(0, token_of), token_of, pair_weights, counts, x.shape[0])
+
+    def _experts(self, xs, token_of, pair_weights, counts, num_tokens: int) -> torch.Tensor:
+        """Each chosen expert over its segment of the grouped rows, then each token's
+        pairs weighted and summed."""
         out = torch.empty_like(xs)
         ops = self.ops
         w13, linear13 = (self.q13, ops.quant_linear) if self.q13 else (self.w13, ops.linear)
@@ -89,4 +111,46 @@ class FusedMoE(nn.Module):
             gate, up = linear13(seg, w13[expert], None).chunk(2, dim=-1)
             out[start : start + n] = linear2(F.silu(gate) * up, w2[expert], None)
             start += n
-        return self.ops.moe_combine(out, token_of, pair_weights, x.shape[0])
+        return self.ops.moe_combine(out, token_of, pair_weights, num_tokens)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A layer of routed experts (Mixtral, Qwen2/3-MoE, OLMoE): softmax top-k."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # the top-k weights sum to 1 (norm_topk_prob)
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert, behind a sigmoid gate
+
+    def build(self, hidden_size: int, ops: Ops, parallel: ParallelContext = SINGLE):
+        # Experts are not split: each rank runs them all on the whole hidden state.
+        return SparseMoeBlock(hidden_size, self, ops)
+
+
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts MLP: the router (`gate`), the routed experts, and for
+    Qwen2-MoE a shared expert every token goes through, scaled by a sigmoid gate."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, ops: Ops) -> None:
+        super().__init__()
+        self.gate = Linear(hidden_size, cfg.num_experts, False, ops)
+        self.experts = FusedMoE(
+            cfg.num_experts,
+            cfg.top_k,
+            hidden_size,
+            cfg.intermediate_size,
+            renormalize=cfg.renormalize,
+            ops=ops,
+        )
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, MLPConfig(cfg.shared_intermediate_size), ops)
+            self.shared_expert_gate = Linear(hidden_size, 1, False, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y

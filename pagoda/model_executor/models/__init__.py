@@ -1,16 +1,38 @@
-"""Model registry: architecture name -> nn.Module class."""
+"""Model registry: architecture name -> the module and class that build it.
 
-from pagoda.model_executor.models.llama import LlamaForCausalLM
-from pagoda.model_executor.models.llava import LlavaForConditionalGeneration
+Torch-free to import (the config layer reads it); `model_class` imports the family's
+module on first use.
+"""
 
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # Llama with (optional) sliding window
-    "Qwen2ForCausalLM": LlamaForCausalLM,  # Llama with q/k/v bias
-    # Mixture of experts: Llama with SparseMoeBlock MLPs.
-    "MixtralForCausalLM": LlamaForCausalLM,
-    "Qwen2MoeForCausalLM": LlamaForCausalLM,  # and q/k/v bias, a shared expert
-    "OlmoeForCausalLM": LlamaForCausalLM,  # and q/k norms
+from __future__ import annotations
+
+import importlib
+
+# architecture -> (module under pagoda.model_executor.models, class)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),  # a window on every layer
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma", "Gemma3ForCausalLM"),  # its text half
+    # Mixture of experts.
+    "MixtralForCausalLM": ("llama", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("llama", "Qwen2MoeForCausalLM"),
+    "OlmoeForCausalLM": ("llama", "OlmoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3", "Qwen3MoeForCausalLM"),
+    # Multi-head latent attention and shared experts.
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
     # Vision-language: a vision encoder and projector feeding a Llama-family model.
-    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
+
+
+def model_class(architecture: str):
+    module, name = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(f"pagoda.model_executor.models.{module}"), name)

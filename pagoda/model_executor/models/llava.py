@@ -5,7 +5,7 @@ positions.
 The engine runs the encoder once per image (`encode_images`, batched over the
 step's new images), keeps the result in the model runner's encoder cache, and
 hands the text model `inputs_embeds` with those rows in place; the text model
-itself is `LlamaForCausalLM`, so decoding (and the C++ decode loop) is unchanged.
+itself is a Llama-family decoder, so decoding (and the C++ decode loop) is unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model_executor.models.llama import LlamaForCausalLM
+from pagoda.model_executor.models import model_class
 from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.multimodal import num_image_tokens
 from pagoda.ops import TORCH_OPS, Ops
@@ -145,9 +145,8 @@ class LlavaForConditionalGeneration(nn.Module):
         self.multi_modal_projector = projector
         self.projector_act = _activation(vision.get("projector_hidden_act", "gelu"))
         self.num_image_tokens = num_image_tokens(vision)
-        self.language_model = LlamaForCausalLM(
-            {**cfg, "architectures": cfg["text_architectures"]}, ops
-        )
+        text = {**cfg, "architectures": cfg["text_architectures"]}
+        self.language_model = model_class(text["architectures"][0])(text, ops)
 
     # ---- the engine's interface (as LlamaForCausalLM's, plus images) -------------------
 
@@ -160,7 +159,7 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model(input_ids, positions, inputs_embeds)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
+        return self.language_model.embed_input_ids(input_ids)
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
