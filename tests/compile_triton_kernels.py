@@ -45,10 +45,14 @@ def stack_bytes(cubin: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def compile_kernel(fn, types: dict[str, str], constants: dict, label: str) -> bool:
+def compile_kernel(
+    fn, types: dict[str, str], constants: dict, label: str, num_warps: int = 4
+) -> bool:
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     try:
-        kernel = triton.compile(ASTSource(fn, signature, constants), target=TARGET)
+        kernel = triton.compile(
+            ASTSource(fn, signature, constants), target=TARGET, options={"num_warps": num_warps}
+        )
     except Exception as e:  # noqa: BLE001 (report every kernel, then fail)
         print(f"FAIL {label}: {type(e).__name__}: {str(e)[:2000]}")
         return False
@@ -81,7 +85,7 @@ def main() -> int:
                 results.append(compile_kernel(
                     ops._decode_partial, decode,
                     dict(heads, GROUP_PAD=ops.group_pad(group), MAX_SPLITS=ops.MAX_SPLITS,
-                         SOFTCAP=softcap),
+                         SOFTCAP=softcap, R=0),
                     f"decode partial, {tag}",
                 ))  # fmt: skip
                 prefill = dict(attention, o_ptr=f"*{dt}", starts_ptr="*i64", qlens_ptr="*i64",
@@ -91,6 +95,13 @@ def main() -> int:
                     ops._prefill_attention, prefill, dict(heads, BLOCK_M=16, SOFTCAP=softcap),
                     f"prefill, {tag}",
                 ))  # fmt: skip
+        # MLA's latent rows (DeepSeek: 512 latent + 64 rope dims, 16 heads a KV head).
+        results.append(compile_kernel(
+            ops._decode_partial, decode,
+            dict(H=16, GROUP=16, GROUP_PAD=16, D=512, BLOCK_SIZE=16, PRECISION=precision,
+                 MAX_SPLITS=ops.MAX_SPLITS, SOFTCAP=False, R=64),
+            f"decode partial, latent rows, {dt}", num_warps=ops.LATENT_NUM_WARPS,
+        ))  # fmt: skip
         merge = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", o_ptr=f"*{dt}",
                      lens_ptr="*i64", window="i32", min_blocks="i32", num_splits="i32")  # fmt: skip
         results.append(compile_kernel(

@@ -292,3 +292,60 @@ def test_caching_disabled_gives_no_hits():
     assert m.allocate_slots(b, 10) == [3, 4, 5]
     assert m.prefix_cache_queries == 0
     assert m.prefix_cache_hits == 0
+
+
+# ---- sliding windows (every layer slides): blocks behind the window go back ----------
+
+
+def test_blocks_behind_every_window_go_back():
+    """Window 6: a query at position p reads keys p-5..p. Once the next token is at
+    position 12, block 0 (positions 0-3) is behind every window: freed, its entry
+    NO_BLOCK, still findable by hash until the pool hands it out."""
+    from pagoda.core.kv_cache_manager import NO_BLOCK
+
+    m = KVCacheManager(num_blocks=6, block_size=BS, sliding_window=6)
+    a = make_request("a", list(range(12)))
+    assert m.allocate_slots(a, 8) == [0, 1]
+    compute(m, a, 8)
+    assert m.allocate_slots(a, 4) == [2]  # next token at 8: keys 3.. still need block 0
+    assert m.get_block_ids("a") == [0, 1, 2]
+    compute(m, a, 4)
+    a.append_output_token(99)
+    assert m.allocate_slots(a, 1) == [3]  # at 12: keys 7..; block 0 is behind
+    assert m.get_block_ids("a") == [NO_BLOCK, 1, 2, 3]
+    assert m.block_pool.ref_cnts[0] == 0 and 0 in m.block_pool.cached_blocks.values()
+    assert m.block_pool.num_used_blocks == 3
+    m.free(a)
+    assert m.block_pool.num_used_blocks == 0 and sorted(free_ids(m)) == list(range(6))
+
+
+def test_window_hits_need_only_the_blocks_the_window_reaches():
+    """A prompt whose first block was evicted still hits: the longest prefix whose
+    blocks within the next token's window are cached; the blocks before them become
+    NO_BLOCK entries, referenced by no one."""
+    from pagoda.core.kv_cache_manager import NO_BLOCK
+
+    m = KVCacheManager(num_blocks=8, block_size=BS, sliding_window=6)
+    prompt = list(range(20))
+    a = make_request("a", prompt)
+    assert m.allocate_slots(a, 20) == [0, 1, 2, 3, 4]
+    compute(m, a, 20)
+    m.free(a)
+    m.block_pool.forget_hash(0)  # evicted: positions 0-3 are no longer findable
+    b = make_request("b", prompt + [7, 7])
+    ids, num_tokens = m.get_computed_blocks(b)
+    # The next token (position 20) reads keys 15..: blocks 3 and 4 are all it needs.
+    assert (ids, num_tokens) == ([NO_BLOCK, NO_BLOCK, NO_BLOCK, 3, 4], 20)
+    assert m.allocate_slots(b, 2, ids) == [5]  # the free queue's front
+    assert m.get_block_ids("b") == [NO_BLOCK, NO_BLOCK, NO_BLOCK, 3, 4, 5]
+    assert [m.block_pool.ref_cnts[i] for i in (1, 2, 3, 4, 5)] == [0, 0, 1, 1, 1]
+    m.free(b)
+    assert m.block_pool.num_used_blocks == 0
+    # Without a window the same lookup stops at the first miss.
+    plain = KVCacheManager(num_blocks=8, block_size=BS)
+    a = make_request("a", prompt)
+    plain.allocate_slots(a, 20)
+    compute(plain, a, 20)
+    plain.free(a)
+    plain.block_pool.forget_hash(0)
+    assert plain.get_computed_blocks(make_request("c", prompt + [7, 7])) == ([], 0)

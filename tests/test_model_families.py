@@ -106,6 +106,31 @@ def test_sliding_window_past_three_windows(family_models, tmp_path_factory, arch
     assert chunked.llm_engine.get_stats().kv_cache.prefix_cache_hits > 0
 
 
+def test_all_sliding_model_holds_only_its_window(family_models):
+    """Mistral with a window on every layer: blocks behind the window go back as each
+    sequence moves on, so 8 blocks (128 tokens) serve 8 sequences of up to 156 tokens
+    each, to HF's tokens, chunked and preempted; max_model_len stays the model's. A
+    second pass hits the prefix cache on the blocks its windows reach."""
+    folder = family_models["mistral_window"]
+    probe = LLM(folder, dtype="float32", kv_cache_memory_bytes=1 << 22)
+    block_bytes = probe.llm_engine.model_runner.bytes_per_block
+    prompts = long_prompts(probe.get_tokenizer(), n=8, seed=19)
+    del probe
+    llm = LLM(
+        folder, dtype="float32", kv_cache_memory_bytes=8 * block_bytes,
+        max_num_batched_tokens=16, max_num_seqs=4,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    assert engine.model_runner.sliding_window == WINDOW
+    assert engine.model_config.max_model_len == engine.max_model_len == 512
+    assert max(len(p) for p in prompts) + 40 > 8 * 16  # longer than the whole cache
+    expected = hf_greedy(folder, tuple(map(tuple, prompts)), 40)
+    assert greedy(llm, prompts, 40) == expected
+    assert greedy(llm, prompts, 40) == expected
+    stats = engine.get_stats()
+    assert stats.kv_cache.num_blocks_used == 0 and stats.kv_cache.prefix_cache_hits > 0
+
+
 def test_phi3_longrope_by_context_length(family_models):
     """Longrope's factor set follows the engine's context (llama.cpp's rule): the short
     factors within the original 64 positions (HF's choice for sequences that short),
@@ -238,3 +263,31 @@ def test_mla_cache_holds_latent_rows(family_models):
     int8 = LLM(family_models["deepseek_v3"], dtype="float32", kv_cache_dtype="int8",
                kv_cache_memory_bytes=1 << 22)  # fmt: skip
     assert agreement_on_prefixes(llm, prompts, greedy(int8, prompts)) >= 0.9
+
+
+# Qwen3's way to turn thinking off: an empty think block in the generation prompt.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}</s></s>{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """`chat_template_kwargs` (Qwen3's enable_thinking) reach the model's template, in
+    LLM.chat as in the chat API's field."""
+    from transformers import AutoTokenizer
+
+    folder = make_model(str(tmp_path / "qwen3"), "qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    llm = LLM(folder, dtype="float32", kv_cache_memory_bytes=1 << 22)
+    messages = [{"role": "user", "content": "Hello world"}]
+    params = SamplingParams(max_tokens=1)
+    thinking = llm.chat(messages, params, use_tqdm=False)[0].prompt_token_ids
+    plain = llm.chat(
+        messages, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False}
+    )[0].prompt_token_ids
+    assert plain[: len(thinking)] == thinking and plain[len(thinking) :] == [2, 2]

@@ -13,6 +13,16 @@ that computes it, so requests admitted in the same step share it. Blocks are als
 
 Preemption by swapping moves a request's blocks to a host pool of the same
 shape; the (device, host) pairs are handed to the runner the same way.
+
+Where every layer of the model attends through a sliding window, blocks wholly
+behind the window of a request's next token are given back as it moves on; their
+table entries become NO_BLOCK (always a leading run; the runner reads them as block
+0 and never looks at them), so a long sequence holds about window + chunk tokens
+of blocks. A prefix-cache hit then needs only the blocks the window reaches:
+
+    window 6, block_size 4, next token at position 12:
+    positions   0..3 | 4..7 | 8..11 | 12..
+    block_table [ -1 ,  b2  ,  b9   , b4 ]   (keys 7.. are visible: block 0 is not)
 """
 
 from __future__ import annotations
@@ -26,9 +36,15 @@ from pagoda.core.block_pool import BlockPool
 from pagoda.core.stats import KVCacheStats
 from pagoda.request import Request
 
+NO_BLOCK = -1  # a block table entry behind every sliding window: given back
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _held(block_ids) -> list[int]:
+    return [b for b in block_ids if b != NO_BLOCK]
 
 
 def hash_block(
@@ -63,9 +79,13 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         dtype: str = "auto",
         bytes_per_token: tuple[int, int] = (0, 0),
+        sliding_window: int | None = None,
     ) -> None:
         """`dtype`, `bytes_per_token` (a token's K/V, and what expanded K and V would
-        take): what the blocks hold, for the stats (the runner's cache decides it)."""
+        take): what the blocks hold, for the stats (the runner's cache decides it).
+        `sliding_window`: where every layer of the model has one, the largest (blocks
+        behind it are given back); None otherwise."""
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.dtype = dtype
         self.bytes_per_token = bytes_per_token
@@ -111,13 +131,34 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
-        block_ids = []
+        found = []
         for block_hash in hashes[:max_blocks]:
             block_id = self.block_pool.get_cached_block(block_hash)
-            if block_id is None:
+            if block_id is None and not self.sliding_window:
                 break
-            block_ids.append(block_id)
-        return block_ids, len(block_ids) * self.block_size
+            found.append(block_id)
+        if not self.sliding_window:
+            return found, len(found) * self.block_size
+        # The longest prefix whose blocks within the next token's window are all cached;
+        # the blocks before them are NO_BLOCK (no query will read them).
+        for n in range(len(found), 0, -1):
+            first = self._first_needed(n * self.block_size)
+            if all(b is not None for b in found[first:n]):
+                return [NO_BLOCK] * first + found[first:n], n * self.block_size
+        return [], 0
+
+    def _first_needed(self, position: int) -> int:
+        """The first block a query at `position` (and every later one) may read."""
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def _free_behind_window(self, record: RequestBlocks, num_computed: int) -> None:
+        """Give back the blocks no query from position `num_computed` on can see (they
+        stay findable by hash until the pool hands them out again)."""
+        first = min(self._first_needed(num_computed), len(record.block_ids))
+        behind = _held(record.block_ids[:first])
+        if behind:
+            record.block_ids[:first] = [NO_BLOCK] * first
+            self.block_pool.free_blocks(behind)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup (a failed admission retries, uncounted)."""
@@ -142,6 +183,8 @@ class KVCacheManager:
         block ids, or None, in which case nothing was allocated or referenced.
         """
         record = self.requests.get(request.request_id) or RequestBlocks()
+        if self.sliding_window and record.block_ids:
+            self._free_behind_window(record, request.num_computed_tokens)
         block_ids = record.block_ids
         ref_cnts = self.block_pool.ref_cnts
         num_computed = request.num_computed_tokens + len(new_computed_block_ids) * self.block_size
@@ -159,7 +202,7 @@ class KVCacheManager:
             and ref_cnts[block_ids[cow_index]] > 1
         )
         # Hits sitting in the free queue stop being free once referenced.
-        num_evictable_hits = sum(1 for b in new_computed_block_ids if ref_cnts[b] == 0)
+        num_evictable_hits = sum(1 for b in _held(new_computed_block_ids) if ref_cnts[b] == 0)
         if num_new_blocks + needs_copy > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
         self.requests[request.request_id] = record
@@ -169,7 +212,7 @@ class KVCacheManager:
             self.block_pool.free_blocks([src])
             block_ids[cow_index] = dst
             self.blocks_to_copy.append((src, dst))
-        self.block_pool.touch(new_computed_block_ids)
+        self.block_pool.touch(_held(new_computed_block_ids))
         block_ids.extend(new_computed_block_ids)
         new_block_ids = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         block_ids.extend(new_block_ids)
@@ -189,7 +232,8 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         for i in range(record.num_cached_blocks, num_full):
-            self.block_pool.cache_full_block(record.block_ids[i], hashes[i])
+            if record.block_ids[i] != NO_BLOCK:
+                self.block_pool.cache_full_block(record.block_ids[i], hashes[i])
         record.num_cached_blocks = num_full
 
     def free_past(self, request: Request, num_tokens: int) -> None:
@@ -210,7 +254,7 @@ class KVCacheManager:
         if record is None:
             return set()
         first = request.num_computed_tokens // self.block_size
-        suspect = record.block_ids[first:]
+        suspect = _held(record.block_ids[first:])
         for block_id in suspect:
             self.block_pool.forget_hash(block_id)
         record.num_cached_blocks = min(record.num_cached_blocks, first)
@@ -219,7 +263,7 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share every block of `parent` (parallel sampling)."""
         source = self.requests[parent.request_id]
-        self.block_pool.touch(source.block_ids)
+        self.block_pool.touch(_held(source.block_ids))
         self.requests[child.request_id] = RequestBlocks(
             list(source.block_ids), list(source.block_hashes), source.num_cached_blocks
         )
@@ -229,13 +273,16 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> bool:
         """Move the request's blocks to the host pool; False (nothing done) if it has no room."""
         record = self.requests.get(request.request_id)
-        block_ids = record.block_ids if record is not None else []
+        block_ids = _held(record.block_ids) if record is not None else []
         if self.host_pool is None or len(block_ids) > self.host_pool.num_free_blocks:
             return False
         host_ids = self.host_pool.get_new_blocks(len(block_ids))
         self.blocks_to_swap_out.extend(zip(block_ids, host_ids, strict=True))
+        behind = len(record.block_ids) - len(block_ids) if record is not None else 0
         self.free(request)
-        self.requests[request.request_id] = RequestBlocks(host_block_ids=host_ids)
+        self.requests[request.request_id] = RequestBlocks(
+            block_ids=[NO_BLOCK] * behind, host_block_ids=host_ids
+        )
         self.num_swapped += 1
         return True
 
@@ -250,8 +297,10 @@ class KVCacheManager:
         """
         record = self.requests[request.request_id]
         host_ids = record.host_block_ids
+        behind = len(record.block_ids)  # NO_BLOCK entries: nothing to bring back
         num_needed = max(
-            len(host_ids), cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+            len(host_ids),
+            cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - behind,
         )
         if num_needed > self.block_pool.num_free_blocks:
             return None
@@ -259,7 +308,7 @@ class KVCacheManager:
         self.blocks_to_swap_in.extend(zip(host_ids, device_ids, strict=True))
         self.host_pool.free_blocks(host_ids)
         record.host_block_ids = None
-        record.block_ids = list(device_ids)
+        record.block_ids = [NO_BLOCK] * behind + list(device_ids)
         self.num_swapped -= 1
         extra = self.allocate_slots(request, num_new_tokens)
         return device_ids + extra
@@ -276,7 +325,7 @@ class KVCacheManager:
         record = self.requests.pop(request.request_id, None)
         if record is None:
             return
-        self.block_pool.free_blocks(reversed(record.block_ids))
+        self.block_pool.free_blocks(reversed(_held(record.block_ids)))
         if record.host_block_ids is not None:
             self.host_pool.free_blocks(record.host_block_ids)
             self.num_swapped -= 1

@@ -79,7 +79,14 @@ class LLMEngine:
         num_blocks = self.model_runner.num_blocks
         capacity = num_blocks * cache_config.block_size
         max_model_len = model_config.max_model_len
-        if max_model_len > capacity:
+        window = self.model_runner.sliding_window
+        # A request alone must fit: all of it, or where every layer slides (blocks behind
+        # the window go back), its window and one step's chunk.
+        needed = max_model_len
+        if window is not None:
+            step = min(engine_args.max_num_batched_tokens, max_model_len)
+            needed = min(max_model_len, window + step + 2 * cache_config.block_size)
+        if needed > capacity:
             if not model_config.max_model_len_is_default:
                 raise ValueError(
                     f"max_model_len ({max_model_len}) is larger than the KV cache holds "
@@ -103,6 +110,7 @@ class LLMEngine:
                 self.model_runner.bytes_per_block // cache_config.block_size,
                 self.model_runner.kv_expanded_bytes_per_token,
             ),
+            sliding_window=window,
         )
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer,

@@ -85,17 +85,22 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the model's chat
         template; `tools` (OpenAI's tool definitions) go into the prompt as the template
-        renders them (`pagoda.engine.tools` parses calls out of the replies)."""
+        renders them (`pagoda.engine.tools` parses calls out of the replies);
+        `chat_template_kwargs`: the template's own variables (vLLM's name), e.g. Qwen3's
+        {"enable_thinking": False}."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"messages": c, "add_generation_prompt": add_generation_prompt} for c in conversations
         ]
-        if tools is not None:
-            for prompt in prompts:
+        for prompt in prompts:
+            if tools is not None:
                 prompt["tools"] = tools
+            if chat_template_kwargs is not None:
+                prompt["chat_template_kwargs"] = chat_template_kwargs
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -41,6 +41,9 @@ def _precision(cache_dtype: torch.dtype) -> str:
 # CUDA-graph padding change nothing (replays and eager steps sum in the same order).
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4
+# MLA's latent decode holds [16, 512] float32 accumulators: 8 warps keep them in
+# registers (4 spill, per ptxas for sm_90).
+LATENT_NUM_WARPS = 8
 
 
 def _check_shapes(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
@@ -88,8 +91,10 @@ def _decode_partial(
     stride_tb, stride_kn, stride_kb, stride_kh,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, R: tl.constexpr = 0,
 ):  # fmt: skip
+    # R > 0: MLA's latent rows, keys of D + R dims (the latent, then the rope key) whose
+    # first D serve as the values; q rows are D + R wide, the output D.
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     lo, blocks, per_split, _ = _row_splits(seq_len, window, min_blocks, BLOCK_SIZE, MAX_SPLITS)
@@ -99,8 +104,13 @@ def _decode_partial(
     heads = kvh * GROUP + tl.arange(0, GROUP_PAD)  # this KV head's query heads
     head_ok = tl.arange(0, GROUP_PAD) < tl.where(count > 0, GROUP, 0)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0)
+    q_rows = (b * H + heads)[:, None] * (D + R)
+    q = tl.load(q_ptr + q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
     q = q.to(tl.float32) * scale
+    if R > 0:
+        r = D + tl.arange(0, R)
+        q_rope = tl.load(q_ptr + q_rows + r[None, :], mask=head_ok[:, None], other=0.0)
+        q_rope = q_rope.to(tl.float32) * scale
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741 (the softmax's sum, as in the papers)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -116,6 +126,10 @@ def _decode_partial(
         k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if R > 0:
+            rope_offs = block.to(tl.int64) * stride_kn + kvh * stride_kh + t[:, None] * stride_kb
+            k_rope = tl.load(k_ptr + rope_offs + r[None, :], mask=ok[:, None], other=0.0)
+            s += tl.dot(q_rope, tl.trans(k_rope.to(tl.float32)), input_precision=PRECISION)
         if SOFTCAP:
             s = _softcap(s, softcap)
         s = tl.where(ok[None, :], s, float("-inf"))
@@ -164,17 +178,22 @@ def decode_attention(
     v_scales: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    v_dim: int = 0,
     min_blocks_per_split: int = MIN_BLOCKS_PER_SPLIT,
 ) -> torch.Tensor:
     """`torch_ops.decode_attention`: q [B, H, D], caches [N, bs, KVH, D], block_tables
-    [B, MB], seq_lens [B] (each >= 1) -> [B, H, D]. Each row's context (its window's
+    [B, MB], seq_lens [B] (each >= 1) -> [B, H, Dv]. Each row's context (its window's
     blocks) runs in up to MAX_SPLITS parallel pieces of at least `min_blocks_per_split`
-    blocks."""
+    blocks. `v_dim` > 0: MLA's latent rows (values: their first v_dim dims)."""
     if k_scales is not None or v_scales is not None:
         raise NotImplementedError("decode_attention (Triton): quantized KV caches")
-    B, H, D = q.shape
+    B, H, width = q.shape
     _, block_size, KVH, _ = k_cache.shape
+    D = v_dim or width  # the values' dims (and the first part of the keys')
+    R = width - D  # the keys' rope dims beyond them (MLA)
     _check_shapes(H, KVH, D, block_size)
+    if R:
+        _check_shapes(H, KVH, R, block_size)
     # The grid's splits: enough for a row as wide as the table.
     num_splits = min(MAX_SPLITS, triton.cdiv(block_tables.shape[1], min_blocks_per_split))
     group = H // KVH
@@ -188,9 +207,9 @@ def decode_attention(
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, GROUP=group, GROUP_PAD=group_pad(group), D=D,
         BLOCK_SIZE=block_size, MAX_SPLITS=MAX_SPLITS, PRECISION=_precision(k_cache.dtype),
-        SOFTCAP=bool(softcap),
+        SOFTCAP=bool(softcap), R=R, num_warps=LATENT_NUM_WARPS if R else 4,
     )  # fmt: skip
-    out = torch.empty_like(q)
+    out = q.new_empty(B, H, D)
     _decode_merge[(B * H,)](
         m, l, acc, out, seq_lens, window, min_blocks_per_split, num_splits,
         H=H, D=D, BLOCK_SIZE=block_size, MAX_SPLITS=MAX_SPLITS,

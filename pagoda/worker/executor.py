@@ -99,6 +99,7 @@ class Worker:
             "kv_expanded_bytes_per_token": self.context.sum_over_workers(
                 runner.kv_expanded_bytes_per_token
             ),
+            "sliding_window": runner.sliding_window,
         }
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -143,6 +144,7 @@ class Executor:
         self.vocab_size = info["vocab_size"]
         self.bytes_per_block = info["bytes_per_block"]  # all shards of one block
         self.kv_expanded_bytes_per_token = info["kv_expanded_bytes_per_token"]
+        self.sliding_window = info["sliding_window"]
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(sched)

@@ -90,6 +90,9 @@ class ModelRunner:
                 self.model, device_config, model_config.max_model_len, self.block_size
             )
         self.num_blocks = self._allocate_kv_cache(budget, cache_config.kv_cache_dtype)
+        # Where every layer slides (and no draft model reads the same tables), blocks
+        # behind the largest window can go back to the pool.
+        self.sliding_window = None if self.drafter is not None else common_window(self.model)
         # Decode-only steps of up to this many rows run in one C++ call (0: none do).
         self.decode_loop_max_rows = (
             0 if model_config.enforce_eager else self.model.build_decode_loop()
@@ -347,6 +350,7 @@ def prepare_inputs(
     torch.cumsum(query_lens, 0, out=cu_q[1:])
     max_blocks = max(len(r.block_ids) for r in reqs)
     block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
+    block_tables.clamp_(min=0)  # blocks behind every window (NO_BLOCK): never read
     input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in reqs)))
     num_tokens = input_ids.shape[0]
     # Per token: which request, and its position within that request's sequence.
@@ -436,6 +440,12 @@ def kv_cache_shape(model: torch.nn.Module) -> KVShape:
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     first = layers[0]
     return KVShape(len(layers), first.num_kv_heads, first.head_dim, first.num_kv)
+
+
+def common_window(model: torch.nn.Module) -> int | None:
+    """The largest sliding window if every attention layer has one, else None."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    return max(windows) if windows and all(windows) else None
 
 
 def expanded_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int | None:
