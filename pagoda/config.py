@@ -373,7 +373,9 @@ class EngineArgs:
         hf_config = model_loader.load_hf_config(path, is_gguf)
         model_loader.check_architecture(hf_config, path)
         if self.enable_lora and (
-            hf_config.get("num_local_experts") or hf_config.get("num_experts")
+            hf_config.get("num_local_experts")
+            or hf_config.get("num_experts")
+            or hf_config.get("n_routed_experts")
         ):
             raise ValueError(
                 "enable_lora: LoRA adapters on mixture-of-experts models are not supported yet "
@@ -467,7 +469,10 @@ class EngineArgs:
             "kv_cache_dtype": self.kv_cache_dtype != "auto",
             "enable_lora": self.enable_lora,
             "tensor_parallel_size": self.tensor_parallel_size * self.pipeline_parallel_size > 1,
-            "model": "vision_config" in hf_config or "MoeForCausalLM" in arch or "Mixtral" in arch,
+            "model": "vision_config" in hf_config
+            or "MoeForCausalLM" in arch
+            or "Mixtral" in arch
+            or "Deepseek" in arch,
             "speculative_config": (self.speculative_config or {}).get("method")
             in ("draft", "draft_model"),
         }
@@ -501,6 +506,11 @@ class EngineArgs:
             raise ValueError(f"{name} > 1: vision-language models ({arch}) are not supported yet.")
         if tp > 1 and arch == "OlmoeForCausalLM":  # its q/k norms span every head
             raise ValueError(f"tensor_parallel_size > 1: {arch} is not supported yet.")
+        if tp > 1 and hf_config.get("kv_lora_rank"):
+            raise ValueError(
+                f"tensor_parallel_size > 1: multi-head latent attention ({arch}) is not "
+                "split across workers yet."
+            )
         from pagoda.distributed import split_heads, split_layers
 
         heads = hf_config["num_attention_heads"]

@@ -291,3 +291,19 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
         messages, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False}
     )[0].prompt_token_ids
     assert plain[: len(thinking)] == thinking and plain[len(thinking) :] == [2, 2]
+
+
+def test_what_a_family_does_not_run_yet_is_refused_by_name(family_models):
+    """MLA split across workers, LoRA on DeepSeek's experts: a ValueError naming the
+    field, before anything loads."""
+    from pagoda import EngineArgs
+
+    folder = family_models["deepseek_v2"]
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1: multi-head latent"):
+        EngineArgs(model=folder, tensor_parallel_size=2).create_model_config()
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters on mixture-of-experts"):
+        EngineArgs(model=folder, enable_lora=True).create_model_config()
+    refusal = EngineArgs(model=folder)._cuda_refusal(
+        EngineArgs(model=folder).create_model_config().hf_config
+    )
+    assert refusal is not None and "DeepseekV2ForCausalLM" in refusal
