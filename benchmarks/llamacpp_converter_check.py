@@ -41,7 +41,9 @@ FAMILIES = [
 
 def tiny_folder(root: str, arch: str, tokenizer_dir: str) -> str:
     """The tests' tiny model of `arch` with the SmolLM2 tokenizer's 49152-token vocabulary."""
-    folder = make_model(os.path.join(root, arch), arch, vocab_size=49152, **GGUF_OVERRIDES.get(arch, {}))
+    folder = make_model(
+        os.path.join(root, arch), arch, vocab_size=49152, **GGUF_OVERRIDES.get(arch, {})
+    )
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), folder)
     config = os.path.join(folder, "tokenizer_config.json")

@@ -165,9 +165,10 @@ def _deepseek_keys(writer, cfg: dict) -> None:
         writer.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * rp["mscale_all_dim"])
 
 
-def write_gguf(path: str, folder: str, qtype: str | None = None) -> str:
+def write_gguf(path: str, folder: str, qtype: str | None = None, fuse_qkv: bool = False) -> str:
     """The HF folder's tiny model as llama.cpp's converter would write it; 2-D weights
-    in `qtype` (a GGUF block type such as "Q8_0") where their rows fit its blocks."""
+    in `qtype` (a GGUF block type such as "Q8_0") where their rows fit its blocks;
+    `fuse_qkv`: q, k and v as one attn_qkv (--fuse-qkv: after q/k are permuted)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -223,6 +224,7 @@ def write_gguf(path: str, folder: str, qtype: str | None = None) -> str:
         p = f"model.layers.{i}."
         for hf, gg in norms.items():
             add(f"blk.{i}.{gg}.weight", w[f"{p}{hf}.weight"], f"{p}{hf}.weight")
+        fused: dict[str, dict[str, np.ndarray]] = {}  # kind -> q/k/v, for attn_qkv
         for key, x in w.items():
             if not key.startswith(p) or "experts." in key:
                 continue
@@ -233,9 +235,15 @@ def write_gguf(path: str, folder: str, qtype: str | None = None) -> str:
             if group == "self_attn" and part in parts:
                 if arch in PERMUTED and part in ("q_proj", "k_proj"):
                     x = _permute(x, heads if part == "q_proj" else kv_heads)
+                if fuse_qkv and part in ("q_proj", "k_proj", "v_proj"):
+                    fused.setdefault(kind, {})[part] = x
+                    continue
                 add(f"blk.{i}.{parts[part]}.{kind}", x, key)
             elif group == "mlp" and part in mlp:
                 add(f"blk.{i}.{mlp[part]}.{kind}", x, key)
+        for kind, qkv in fused.items():
+            x = np.concatenate([qkv["q_proj"], qkv["k_proj"], qkv["v_proj"]])
+            add(f"blk.{i}.attn_qkv.{kind}", x, f"{p}self_attn.qkv_proj.{kind}")
         if f"{p}mlp.experts.0.gate_proj.weight" in w:
             for gg, hf in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
                 stacked = np.stack(

@@ -65,7 +65,9 @@ KV_DTYPES = [None, torch.int8, torch.float8_e4m3fn]
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["model-dtype", "int8", "fp8"])
-@pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (0, 2.0)], ids=["full", "window", "softcap"])
+@pytest.mark.parametrize(
+    "window, softcap", [(0, 0.0), (5, 0.0), (0, 2.0)], ids=["full", "window", "softcap"]
+)
 def test_mixed_batch_matches_dense(dtype, tol, backend, kv_dtype, window, softcap):
     """A quantized cache is checked against the dense reference on what it holds (the
     rounding of K/V is the cache's, not the kernel's). A 5-token window over 4-token

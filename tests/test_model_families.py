@@ -217,6 +217,21 @@ def test_family_gguf_matches_hf(gguf_models, arch):
     assert llm.get_tokenizer().apply_chat_template(messages, tokenize=False).startswith("<|user|>")
 
 
+@pytest.mark.parametrize("arch", ["granite", "qwen3"])
+def test_gguf_with_fused_qkv(tmp_path, gguf_models, arch):
+    """A file written with --fuse-qkv (one attn_qkv; Granite's q and k rows permuted
+    for llama.cpp's rope before they were fused) loads to HF's tokens."""
+    from transformers import AutoTokenizer
+
+    from tests.gguf_writer import write_gguf
+
+    folder, _ = gguf_models[arch]
+    path = write_gguf(str(tmp_path / f"{arch}-fused.gguf"), folder, fuse_qkv=True)
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=1 << 22)
+    prompts = tiny_prompts(AutoTokenizer.from_pretrained(folder), n=6, seed=16)
+    assert greedy(llm, prompts) == hf_greedy(folder, tuple(map(tuple, prompts)), MAX_TOKENS)
+
+
 def test_quantized_family_gguf_keeps_its_blocks(tmp_path, gguf_models):
     """Q8_0 files of Qwen3 and Gemma 3: the blocks stay blocks, and the tokens agree
     with the same file expanded to floats."""
@@ -307,3 +322,25 @@ def test_what_a_family_does_not_run_yet_is_refused_by_name(family_models):
         EngineArgs(model=folder).create_model_config().hf_config
     )
     assert refusal is not None and "DeepseekV2ForCausalLM" in refusal
+
+
+def test_a_pipeline_stage_sees_the_whole_models_windows(family_models):
+    """Blocks go back behind the window only where every layer of the whole model
+    slides: a later pipeline stage of Qwen2 with use_sliding_window (its last layer
+    slides, its first does not) holds only sliding layers, and must not say so."""
+    import json
+    import pathlib
+
+    from pagoda.distributed import ParallelContext
+    from pagoda.model_executor.model_loader import load_hf_config
+    from pagoda.model_executor.models import model_class
+    from pagoda.ops import TORCH_OPS
+    from pagoda.worker.model_runner import common_window
+
+    for arch, whole in (("qwen2_window", None), ("mistral_window", WINDOW)):
+        folder = family_models[arch]
+        cfg = load_hf_config(folder, False)
+        config = json.loads(pathlib.Path(folder, "config.json").read_text())
+        cls = model_class(config["architectures"][0])
+        last_stage = cls(cfg, TORCH_OPS, ParallelContext(pp_rank=1, pp_size=2))
+        assert common_window(last_stage) == whole, arch

@@ -243,7 +243,7 @@ class KVCacheManager:
         keep = cdiv(num_tokens, self.block_size)
         if record is None or len(record.block_ids) <= keep:
             return
-        self.block_pool.free_blocks(reversed(record.block_ids[keep:]))
+        self.block_pool.free_blocks(reversed(_held(record.block_ids[keep:])))
         del record.block_ids[keep:]
 
     def forget_uncomputed(self, request: Request) -> set[int]:

@@ -13,7 +13,8 @@
 //
 // Built once per engine from the loaded weights and the KV cache tensors, for steps
 // where every row is a decode row (one query token at its own position, drafts
-// included) and at most 8 rows run: the kernels' small-batch paths. Everything else
+// included) and at most 8 or 16 rows run (while every linear keeps its small-batch
+// kernel). Everything else
 // takes the Python path. Linear::operator() repeats the small-row dispatch of
 // pagoda.ops.cpu (`linear`, `quant_linear`), whose `decode_loop_linear` admits a linear
 // only where the two agree; tests/test_decode_loop.py holds them equal.

@@ -370,6 +370,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   auto by_dim = [&](auto type_tag, auto cache_tag) {
     if (D == 64) run(type_tag, cache_tag, std::integral_constant<int64_t, 64>{});
     else if (D == 128) run(type_tag, cache_tag, std::integral_constant<int64_t, 128>{});
+    else if (D == 256) run(type_tag, cache_tag, std::integral_constant<int64_t, 256>{});  // Gemma's
     else if (D == 576) run(type_tag, cache_tag, std::integral_constant<int64_t, 576>{});  // MLA's 512 + 64
     else run(type_tag, cache_tag, std::integral_constant<int64_t, 0>{});
   };

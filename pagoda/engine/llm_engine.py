@@ -88,9 +88,12 @@ class LLMEngine:
             needed = min(max_model_len, window + step + 2 * cache_config.block_size)
         if needed > capacity:
             if not model_config.max_model_len_is_default:
+                what = f"max_model_len ({max_model_len})"
+                if window is not None:
+                    what = f"a request's window and one step's chunk ({needed} tokens)"
                 raise ValueError(
-                    f"max_model_len ({max_model_len}) is larger than the KV cache holds "
-                    f"({capacity} tokens); raise kv_cache_memory_bytes or lower max_model_len."
+                    f"{what} is larger than the KV cache holds ({capacity} tokens); raise "
+                    "kv_cache_memory_bytes or lower max_model_len (or max_num_batched_tokens)."
                 )
             logger.warning(
                 "max_model_len lowered from %d to the KV cache's %d tokens.",

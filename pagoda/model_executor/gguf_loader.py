@@ -92,7 +92,12 @@ _DEEPSEEK_NAMES = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 # An MoE layer's experts, stacked [experts, rows, columns] in one tensor each.
-_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "w1",
+    "ffn_up_exps": "w3",
+    "ffn_down_exps": "w2",
+    "ffn_gate_up_exps": "gate_up",  # --fuse-gate-up-exps: gate then up, per expert
+}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -148,14 +153,14 @@ def _llama(meta: _Meta) -> dict[str, Any]:
     }
 
 
-def _gemma(meta: _Meta, every: int, default_base: float) -> dict[str, Any]:
+def _gemma(meta: _Meta, every: int, default_base: float, big_layers: int) -> dict[str, Any]:
     """llama.cpp's Gemma rules: layer i is local unless (i + 1) % every == 0; the
-    softmax scale is 1/sqrt(hidden / heads) for the 27B models (46 and 62 layers), else
-    1/sqrt(head_dim); local layers take rope.freq_base_swa, unscaled."""
+    softmax scale is 1/sqrt(hidden / heads) for the 27B model (`big_layers` layers),
+    else 1/sqrt(head_dim); local layers take rope.freq_base_swa, unscaled."""
     layers, heads = int(meta.get("block_count")), int(meta.get("attention.head_count"))
     hidden = int(meta.get("embedding_length"))
     head_dim = int(meta.get("attention.key_length") or hidden // heads)
-    window = int(meta.get("attention.sliding_window") or 0)
+    window = int(meta.get("attention.sliding_window", 4096 if meta.arch == "gemma2" else 0) or 0)
     local = [window > 0 and (i + 1) % every != 0 for i in range(layers)]
     full_rope = {
         "rope_type": "default",
@@ -163,12 +168,12 @@ def _gemma(meta: _Meta, every: int, default_base: float) -> dict[str, Any]:
     }
     if meta.get("rope.scaling.type") == "linear" and meta.get("rope.scaling.factor"):
         full_rope.update(rope_type="linear", factor=float(meta.get("rope.scaling.factor")))
-    local_base = float(meta.get("rope.freq_base_swa", meta.get("rope.freq_base", 10000.0)))
+    local_base = float(meta.get("rope.freq_base_swa", 10000.0))  # llama.cpp's default
     out = {
         "head_dim": head_dim,
         "sliding_window": window or None,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in local],
-        "query_pre_attn_scalar": hidden // heads if layers in (46, 62) else head_dim,
+        "query_pre_attn_scalar": hidden // heads if layers == big_layers else head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
         "gguf_norms_include_one": True,
         "final_logit_softcapping": meta.get("final_logit_softcapping"),
@@ -278,8 +283,8 @@ _ARCHS = {
     "qwen3": _Arch("Qwen3ForCausalLM"),
     # llama.cpp always renormalizes Qwen3-MoE's top-k (the released models' norm_topk_prob).
     "qwen3moe": _Arch("Qwen3MoeForCausalLM", lambda m: _moe(m, norm=True)),
-    "gemma2": _Arch("Gemma2ForCausalLM", lambda m: _gemma(m, 2, 10000.0), _GEMMA_NAMES),
-    "gemma3": _Arch("Gemma3ForCausalLM", lambda m: _gemma(m, 6, 1000000.0), _GEMMA_NAMES),
+    "gemma2": _Arch("Gemma2ForCausalLM", lambda m: _gemma(m, 2, 10000.0, 46), _GEMMA_NAMES),
+    "gemma3": _Arch("Gemma3ForCausalLM", lambda m: _gemma(m, 6, 1000000.0, 62), _GEMMA_NAMES),
     "phi3": _Arch("Phi3ForCausalLM", _phi3, {"ffn_up": "mlp.gate_up_proj"}),
     "granite": _Arch("GraniteForCausalLM", _granite, permuted_qk=True),
     "smollm3": _Arch(
@@ -367,6 +372,28 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _rope_order(name: str, hf_config: dict[str, Any]) -> np.ndarray | None:
+    """HF's row order of a q, k or fused q/k/v weight (or bias) that llama.cpp's
+    converter permuted for its rope (q and k permuted before --fuse-qkv fuses them)."""
+    if not name.endswith((".weight", ".bias")):
+        return None
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    q, k = np.arange(heads * head_dim), np.arange(kv_heads * head_dim)
+    part = name.rsplit(".", 2)[-2]
+    if part == "q_proj":
+        return _unpermute_rope(q, heads)
+    if part == "k_proj":
+        return _unpermute_rope(k, kv_heads)
+    if part == "qkv_proj":
+        v = np.arange(kv_heads * head_dim)
+        return np.concatenate(
+            [_unpermute_rope(q, heads), len(q) + _unpermute_rope(k, kv_heads), len(q) + len(k) + v]
+        )
+    return None
+
+
 def iter_gguf_weights(
     path: str,
     hf_config: dict[str, Any],
@@ -385,13 +412,7 @@ def iter_gguf_weights(
         name = _hf_name(tensor.name, arch)
         if name is None:
             continue  # rope_freqs, rope_factors_*: read into the config
-        rope_heads = None
-        if arch.permuted_qk and name.endswith(
-            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
-        ):
-            rope_heads = hf_config[
-                "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
-            ]
+        order = _rope_order(name, hf_config) if arch.permuted_qk else None
         stacked = "{}" in name  # experts: one weight each, as Hugging Face names them
         joined = name.endswith((".k_b.weight", ".v_b.weight"))
         if (
@@ -403,15 +424,14 @@ def iter_gguf_weights(
             try:
                 if stacked:
                     for expert, data in enumerate(tensor.data):
-                        yield name.format(expert), from_gguf(tensor.tensor_type.name, data)
+                        yield from _expert(name, expert, from_gguf(tensor.tensor_type.name, data))
                     continue
                 weight = from_gguf(tensor.tensor_type.name, tensor.data)
             except (NotImplementedError, ValueError) as e:
                 raise ValueError(
                     f"GGUF {path!r}: cannot read {tensor.name} ({tensor.tensor_type.name}): {e}"
                 ) from e
-            if rope_heads is not None:  # the same row order as the dequantized path
-                order = _unpermute_rope(np.arange(weight.shape[0]), rope_heads)
+            if order is not None:  # the same row order as the dequantized path
                 weight = weight.rows(torch.from_numpy(order))
             yield name, weight
             continue
@@ -424,11 +444,11 @@ def iter_gguf_weights(
         w = np.array(
             w.reshape(tuple(reversed(tensor.shape.tolist()))), dtype=np.float32
         )  # owned, writable
-        if rope_heads is not None:
-            w = _unpermute_rope(w, rope_heads)
+        if order is not None:
+            w = w[order]
         if stacked:
             for expert in range(w.shape[0]):
-                yield name.format(expert), torch.from_numpy(w[expert])
+                yield from _expert(name, expert, torch.from_numpy(w[expert]))
             continue
         if joined:
             layer = name.rsplit(".", 2)[0]
@@ -440,6 +460,18 @@ def iter_gguf_weights(
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # llama.cpp keeps this one-row matrix as a vector
         yield name, torch.from_numpy(w)
+
+
+def _expert(name: str, expert: int, w):
+    """One expert's weight under HF's name; a fused gate/up as its two halves."""
+    if not name.endswith(".gate_up.weight"):
+        yield name.format(expert), w
+        return
+    rows = w.shape[0] // 2
+    halves = (slice(0, rows), slice(rows, 2 * rows))
+    for part, half in zip(("w1", "w3"), halves, strict=True):
+        piece = w.rows(half) if isinstance(w, QuantizedWeight) else w[half]
+        yield name.replace(".gate_up.", f".{part}.").format(expert), piece
 
 
 def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:

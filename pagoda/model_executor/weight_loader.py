@@ -85,6 +85,12 @@ class _Loader:
         self.pending: dict[str, dict[int, tuple[str, Weight]]] = {}
         self.experts: dict[str, dict[tuple[int, int], Weight]] = {}
         self.experts_dequantized = False
+        # Each fused q/k/v linear's attention (its parts' sizes).
+        self.attention_of = {
+            id(m.qkv_proj): m
+            for m in model.modules()
+            if isinstance(getattr(m, "qkv_proj", None), Linear)
+        }
 
     def run(self, weights: Iterable[tuple[str, Weight]]) -> None:
         for name, w in weights:
@@ -273,9 +279,7 @@ class _Loader:
 
     def _part_sizes(self, module: nn.Module, rows: int) -> list[int]:
         """The parts of a fused weight of `rows` rows: q, k, v, or gate and up."""
-        attn = next(
-            (m for m in self.model.modules() if getattr(m, "qkv_proj", None) is module), None
-        )
+        attn = self.attention_of.get(id(module))
         if attn is not None:
             return [attn.q_size, attn.kv_size, attn.kv_size]
         return [rows // 2] * 2  # a layer's MLP or a shared expert: each its own size

@@ -42,7 +42,8 @@ def _precision(cache_dtype: torch.dtype) -> str:
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4
 # MLA's latent decode holds [16, 512] float32 accumulators: 8 warps keep them in
-# registers (4 spill, per ptxas for sm_90).
+# registers (4 spill, per ptxas for sm_90). (Tested here and compiled for sm_90; the
+# GPU path itself refuses DeepSeek until its MoE runs there.)
 LATENT_NUM_WARPS = 8
 
 

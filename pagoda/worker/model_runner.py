@@ -443,8 +443,14 @@ def kv_cache_shape(model: torch.nn.Module) -> KVShape:
 
 
 def common_window(model: torch.nn.Module) -> int | None:
-    """The largest sliding window if every attention layer has one, else None."""
-    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    """The largest sliding window if every attention layer of the whole model has one
+    (read from its configs: a pipeline stage holds some layers only), else None."""
+    decoder = getattr(model, "decoder", None) or getattr(
+        getattr(model, "language_model", None), "decoder", None
+    )
+    if decoder is None:
+        return None
+    windows = [layer.attention.sliding_window for layer in decoder.layers]
     return max(windows) if windows and all(windows) else None
 
 

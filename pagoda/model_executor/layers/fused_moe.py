@@ -94,7 +94,9 @@ class FusedMoE(nn.Module):
         token_of = order // expert_ids.shape[1]
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         pair_weights = weights.reshape(-1)[order]
-        return self._experts(x.index_select(0, token_of), token_of, pair_weights, counts, x.shape[0])
+        return self._experts(
+            x.index_select(0, token_of), token_of, pair_weights, counts, x.shape[0]
+        )
 
     def _experts(self, xs, token_of, pair_weights, counts, num_tokens: int) -> torch.Tensor:
         """Each chosen expert over its segment of the grouped rows, then each token's

@@ -35,6 +35,9 @@ from pagoda.model_executor.layers.linear import Linear
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
 from pagoda.ops import Ops
 
+# HF builds the q and latent norms with RMSNorm's default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
 
 @dataclass(frozen=True)
 class MLAConfig:
@@ -47,7 +50,7 @@ class MLAConfig:
     scale: float  # (nope + rope) ** -0.5, times YaRN's mscale squared
     bias: bool = False  # on q_a_proj and kv_a_proj_with_mqa (attention_bias)
     rope: str = "default"
-    sliding_window: None = None  # (none: read by generic code)
+    sliding_window: None = None  # (MLA layers see everything)
 
     def build(
         self,
@@ -84,10 +87,10 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(hidden, q_out, False, ops)
         else:
             self.q_a_proj = Linear(hidden, cfg.q_lora_rank, cfg.bias, ops)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps, ops)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, ops)
             self.q_b_proj = Linear(cfg.q_lora_rank, q_out, False, ops)
         self.kv_a_proj_with_mqa = Linear(hidden, cfg.kv_lora_rank + rope, cfg.bias, ops)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps, ops)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (nope + cfg.v_head_dim), False, ops)
         self.o_proj = Linear(H * cfg.v_head_dim, hidden, cfg.bias, ops)
         self.rotary_emb = rotary

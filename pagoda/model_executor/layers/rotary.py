@@ -32,7 +32,7 @@ def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
     return int(head_dim * params.get("partial_rotary_factor", 1.0))
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -115,9 +115,9 @@ def _yarn(
     if attention_factor is None:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:

@@ -11,7 +11,7 @@ import importlib
 # architecture -> (module under pagoda.model_executor.models, class)
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),  # a window on every layer
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),  # a window on every layer
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),

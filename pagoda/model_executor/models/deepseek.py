@@ -18,7 +18,6 @@ rotate-half layout, so the usual kernels turn them (the dot products do not chan
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.model_executor.layers.fused_moe import FusedMoE
 from pagoda.model_executor.layers.mla import MLAConfig
 from pagoda.model_executor.layers.mlp import GatedMLP, MLPConfig
+from pagoda.model_executor.layers.rotary import yarn_mscale
 from pagoda.model_executor.models.transformer import (
     DecoderConfig,
     DecoderForCausalLM,
@@ -116,10 +116,6 @@ class DeepseekMoE(nn.Module):
         return y
 
 
-def _yarn_mscale(scale: float, mscale: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 class DeepseekV2ForCausalLM(DecoderForCausalLM):
     # q_proj, kv_a_proj_with_mqa and kv_b_proj stay apart (MLA); V3's multi-token-
     # prediction layers (past num_hidden_layers) are not loaded.
@@ -135,7 +131,7 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         scale = (nope + rope_dim) ** -0.5
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
             factor = rope.get("factor") or 1.0
-            scale *= _yarn_mscale(factor, rope["mscale_all_dim"]) ** 2
+            scale *= yarn_mscale(factor, rope["mscale_all_dim"]) ** 2
         mla = MLAConfig(
             num_heads=cfg["num_attention_heads"],
             q_lora_rank=cfg.get("q_lora_rank"),
@@ -189,6 +185,8 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         if len(parts) < 3 or parts[-2] not in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
             return w
         cfg = self.config
+        if not cfg.get("rope_interleave", True) and isinstance(self, DeepseekV3ForCausalLM):
+            return w  # already rotate-half (V2's rope is always interleaved)
         rope = cfg["qk_rope_head_dim"]
         deinterleave = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
         if parts[-2] == "kv_a_proj_with_mqa":

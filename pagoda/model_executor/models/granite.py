@@ -22,6 +22,7 @@ class GraniteForCausalLM(DecoderForCausalLM):
         base = llama_decoder(
             cfg,
             attention=lambda i: {"scale": scale},
+            windows=False,
             embed_scale=cfg.get("embedding_multiplier"),
             logit_divisor=cfg.get("logits_scaling"),
         )

@@ -22,6 +22,12 @@ from pagoda.model_executor.weight_loader import WeightNames
 class LlamaForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_config(cls, cfg: dict[str, Any]) -> DecoderConfig:
+        return llama_decoder(cfg, windows=False)  # (HF's Llama has no sliding window)
+
+
+class MistralForCausalLM(DecoderForCausalLM):
+    @classmethod
+    def decoder_config(cls, cfg: dict[str, Any]) -> DecoderConfig:
         return llama_decoder(cfg)
 
 
@@ -78,4 +84,5 @@ class OlmoeForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_config(cls, cfg: dict[str, Any]) -> DecoderConfig:
         clip = cfg.get("clip_qkv")
-        return moe_decoder(cfg, attention=lambda i: {"qk_norm": "projection", "clip_qkv": clip})
+        attention = lambda i: {"qk_norm": "projection", "clip_qkv": clip}  # noqa: E731
+        return moe_decoder(cfg, attention=attention, windows=False)  # (HF's OLMoE has none)

@@ -2,9 +2,8 @@
 
 A family module (llama.py, qwen3.py, gemma.py, ...) reads its Hugging Face config into
 a `DecoderConfig`: the model-wide choices (norm kind, embedding and logit scales) and
-one `LayerConfig` per layer (its attention, its MLP or experts, its norms). The
-modules below build the model from it; the C++ decode loop (decode_loop.py) reads the
-same configs, so the two cannot drift apart silently.
+one `LayerConfig` per layer (its attention, its MLP or experts, its norms). The modules below build the model from it; the C++ decode loop (decode_loop.py) is
+handed each built layer's settings, so the two cannot drift apart silently.
 
 One layer, with the residual stream kept beside the sublayers' outputs (each norm
 adds the previous output into it first, in one fused op):
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.attention.context import get_attention_metadata, get_lora_mapping
 from pagoda.distributed import SINGLE, ParallelContext, split_layers, split_range
 from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.linear import Embedding, Linear, Shard
@@ -169,8 +169,6 @@ class DecoderModel(nn.Module):
             return self._forward_stage(positions)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         if self.decode_loop is not None and x.shape[0] <= self.decode_loop_max_rows:
-            from pagoda.attention.context import get_attention_metadata, get_lora_mapping
-
             meta = get_attention_metadata()
             if meta.num_decodes == x.shape[0]:
                 lora = get_lora_mapping()
@@ -322,11 +320,13 @@ def rope_parameters(cfg: dict[str, Any], layer_type: str | None = None) -> dict[
     entry of a per-layer-type dict), with legacy rope_theta/rope_scaling and
     partial_rotary_factor folded in."""
     params = cfg.get("rope_parameters") or {}
+    nested = any(isinstance(v, dict) for v in params.values())
     if layer_type is not None and isinstance(params.get(layer_type), dict):
         params = params[layer_type]
-    elif any(isinstance(v, dict) for v in params.values()):
+    elif nested:
         params = params.get("full_attention") or {}
-    params = {**(cfg.get("rope_scaling") or {}), **params}
+    if not nested:  # (legacy rope_scaling is one dict for every layer)
+        params = {**(cfg.get("rope_scaling") or {}), **params}
     params.setdefault("rope_theta", cfg.get("rope_theta") or 10000.0)
     params.setdefault("rope_type", params.get("type", "default"))
     if cfg.get("partial_rotary_factor") is not None:
@@ -357,16 +357,18 @@ def sliding_windows(cfg: dict[str, Any]) -> list[int | None]:
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
-def llama_decoder(cfg: dict[str, Any], attention=None, mlp=None, **overrides) -> DecoderConfig:
+def llama_decoder(
+    cfg: dict[str, Any], attention=None, mlp=None, windows: bool = True, **overrides
+) -> DecoderConfig:
     """A Llama-shaped model's DecoderConfig: one rope table, GQA attention with the
-    config's windows, gated SiLU MLPs. `attention(i)`: fields that layer i's
-    AttentionConfig changes; `mlp(i)`: layer i's MLP config (default: dense);
-    `overrides`: DecoderConfig fields."""
+    config's windows (`windows` False: none, where HF's model ignores the field),
+    gated MLPs. `attention(i)`: fields that layer i's AttentionConfig changes; `mlp(i)`:
+    layer i's MLP config (default: dense); `overrides`: DecoderConfig fields."""
     from pagoda.model_executor.layers.mlp import MLPConfig
     from pagoda.model_executor.layers.self_attention import AttentionConfig
 
     heads = cfg["num_attention_heads"]
-    windows = sliding_windows(cfg)
+    layer_windows = sliding_windows(cfg) if windows else [None] * cfg["num_hidden_layers"]
     layers = []
     for i in range(cfg["num_hidden_layers"]):
         fields = dict(
@@ -375,12 +377,12 @@ def llama_decoder(cfg: dict[str, Any], attention=None, mlp=None, **overrides) ->
             head_dim=head_dim_of(cfg),
             bias=bool(cfg.get("attention_bias", False)),
             o_bias=bool(cfg.get("attention_bias", False)),
-            sliding_window=windows[i],
+            sliding_window=layer_windows[i],
         )
         attn = AttentionConfig(**{**fields, **(attention(i) if attention is not None else {})})
         layer_mlp = mlp(i) if mlp is not None else None
         if layer_mlp is None:
-            act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+            act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
             layer_mlp = MLPConfig(cfg["intermediate_size"], act, bool(cfg.get("mlp_bias")))
         layers.append(LayerConfig(attn, layer_mlp))
     max_positions = int(cfg.get("max_position_embeddings") or 2048)
