@@ -24,6 +24,7 @@ sys.path[0] = __file__.rsplit("/benchmarks/", 1)[0]
 
 import torch  # noqa: E402
 
+from pagoda import EngineArgs, LLMEngine  # noqa: E402
 from pagoda.bench.latency import run_latency  # noqa: E402
 from pagoda.bench.report import machine_info  # noqa: E402
 from tests.conftest import make_tokenizer  # noqa: E402
@@ -41,7 +42,7 @@ def build(folder: str, kind: str, layers: int) -> str:
         config = transformers.DeepseekV2Config(
             **SHAPE, vocab_size=vocab, num_hidden_layers=layers, num_key_value_heads=16,
             q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-            v_head_dim=128, n_routed_experts=None, first_k_dense_replace=layers,
+            v_head_dim=128, n_routed_experts=8, first_k_dense_replace=layers,  # all dense
         )  # fmt: skip
         cls = transformers.DeepseekV2ForCausalLM
     else:
@@ -73,17 +74,17 @@ def main() -> None:
             folder = build(f"{root}/{kind}", kind, args.layers)
             engine = dict(model=folder, dtype="bfloat16", max_model_len=8192,
                           kv_cache_memory_bytes=6 << 30, max_num_batched_tokens=4096)  # fmt: skip
-            rows = run_latency(engine, batches, args.context, args.output_len)
-            from pagoda import EngineArgs, LLMEngine
-
-            probe = LLMEngine(EngineArgs(**{**engine, "kv_cache_memory_bytes": 64 << 20}))
+            small = dict(
+                kv_cache_memory_bytes=64 << 20, max_model_len=512, max_num_batched_tokens=512
+            )
+            probe = LLMEngine(EngineArgs(**{**engine, **small}))
             kv = probe.get_stats().kv_cache
+            del probe
             results[kind] = {
                 "kv_bytes_per_token": kv.bytes_per_token,
                 "expanded_kv_bytes_per_token": kv.expanded_bytes_per_token,
-                "rows": rows,
+                "rows": run_latency(engine, batches, args.context, args.output_len),
             }
-            del probe
     print(
         f"{'':<6} {'KV bytes/token':>15} "
         + " ".join(f"{'step ms B=' + str(b):>14}" for b in batches)

