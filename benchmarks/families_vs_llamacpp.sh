@@ -79,6 +79,10 @@ for file in files:
     print(f"{stem:<24} {tpot['pagoda']:>12.1f} {tpot['llama.cpp']:>10.1f} "
           f"{rows[-1]['b1_speedup']:>5.2f} {tput['pagoda']:>17.1f} {tput['llama.cpp']:>10.1f} "
           f"{rows[-1]['c16_speedup']:>5.2f}")
+from pagoda.bench.report import machine_info
+
 with open(f"{out}/summary.json", "w") as f:
-    json.dump(rows, f, indent=2)
+    json.dump({"command": "benchmarks/families_vs_llamacpp.sh " + " ".join(files),
+               "machine": machine_info(), "threads": os.environ.get("THREADS", "2"),
+               "results": rows}, f, indent=2)
 PY
