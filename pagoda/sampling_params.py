@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagoda.checks import INT32_MAX, INT64_MAX, INT64_MIN, check_bool, check_int, check_real
+
 _GREEDY_EPS = 1e-5
 
 
@@ -38,9 +40,10 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """How to pick tokens and when to stop, for one request.
 
-    A plain record: the engine's front door (`Processor`) checks every field
-    when the request is added, against the model's limits too, and raises
-    `pagoda.errors.InvalidRequestError` (a `ValueError`) naming the field.
+    Construction checks each field's type and range (as vLLM's does); the engine's
+    front door (`Processor`) checks again when the request is added, against the
+    model's and server's limits too. Both raise `pagoda.errors.InvalidRequestError`
+    (a `ValueError`) naming the field.
     `temperature == 0` means greedy; `seed` makes sampling reproducible
     whatever else shares the batch.
     """
@@ -74,6 +77,26 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # The checked grammar (llguidance's serialized form), from structured_outputs.
     grammar: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check_int(self.n, "n", 1, INT32_MAX)
+        check_real(self.temperature, "temperature", 0.0, 1e6)
+        check_real(self.top_p, "top_p", 0.0, 1.0, lo_open=True)
+        check_int(self.top_k, "top_k", -1, INT32_MAX)
+        check_real(self.min_p, "min_p", 0.0, 1.0)
+        check_real(self.presence_penalty, "presence_penalty", -2.0, 2.0)
+        check_real(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        check_real(self.repetition_penalty, "repetition_penalty", 0.0, 100.0, lo_open=True)
+        if self.seed is not None:
+            check_int(self.seed, "seed", INT64_MIN, INT64_MAX)
+        if self.max_tokens is not None:
+            check_int(self.max_tokens, "max_tokens", 1, INT64_MAX)
+        check_int(self.min_tokens, "min_tokens", 0, self.max_tokens or INT64_MAX)
+        for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, 0 if "logprobs" in name else 1, INT64_MAX)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            check_bool(getattr(self, name), name)
 
     @property
     def needs_token_history(self) -> bool:

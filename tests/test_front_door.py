@@ -114,6 +114,37 @@ def test_bad_sampling_params_are_refused_by_name(engine, param, kwargs):
     assert "bad" not in engine.output_processor  # nothing was queued
 
 
+# What SamplingParams refuses at construction (as vLLM's does): every bad value above
+# that needs neither the model nor the server's limits to judge.
+LIMITED = {("n", 10_000), ("max_tokens", 600), ("logprobs", 21)}
+CONSTRUCTION = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens",
+                "ignore_eos", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"}  # fmt: skip
+BAD_AT_CONSTRUCTION = [
+    (param, kwargs)
+    for param, kwargs in BAD_PARAMS
+    if param in CONSTRUCTION and (param, kwargs.get(param)) not in LIMITED
+]
+
+
+@pytest.mark.parametrize("param,kwargs", BAD_AT_CONSTRUCTION)
+def test_sampling_params_check_their_fields_at_construction(param, kwargs):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and param in str(e.value)
+
+
+def test_front_door_checks_fields_changed_after_construction(engine):
+    """SamplingParams is a plain record: the front door checks again what was set later."""
+    for param, value in (("temperature", -1.0), ("max_tokens", 0), ("n", 10_000)):
+        params = SamplingParams()
+        setattr(params, param, value)
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request("bad", "Hello", params)
+        assert e.value.param == param
+    _serves(engine)
+
+
 BAD_PROMPTS = [
     ("prompt", ""),
     ("prompt", SURROGATE),

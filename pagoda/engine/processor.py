@@ -22,15 +22,24 @@ import copy
 import dataclasses
 import inspect
 import json
-import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pagoda.checks import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    check_bool,
+    check_int,
+    check_real,
+    fail,
+    is_int,
+    show,
+)
 from pagoda.config import LoRAConfig, ModelConfig, RequestLimits
 from pagoda.core.structured_output import build_grammar
 from pagoda.engine.tools import MAX_TOOLS, check_tools, inline_tools, template_knows_tools
-from pagoda.errors import InvalidRequestError
 from pagoda.lora.adapter import LoRAAdapter, check_adapter, load_adapter
 from pagoda.lora.request import LoRARequest
 from pagoda.request import MultiModalFeature, Request
@@ -42,8 +51,6 @@ from pagoda.sampling_params import RequestOutputKind, SamplingParams
 #        "tools"?: [OpenAI tool]}
 PromptType = str | dict[str, Any]
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-INT32_MAX = 2**31 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 PROMPT_FORMS = (
@@ -60,50 +67,6 @@ _TEMPLATE_WALKS_PARTS = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|
 _INT_KEY = re.compile(r"-?[0-9]{1,20}")
 
 
-def _show(value: Any) -> str:
-    """A short repr for error messages (a bad value may be megabytes long)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _fail(
-    param: str, why: str, value: Any = None, code: str | None = None, where: str | None = None
-):
-    """Raise InvalidRequestError for `param`; the message names `where` (a path inside
-    the field, e.g. messages[2].content) when given."""
-    shown = "" if value is None else f", got {_show(value)}"
-    raise InvalidRequestError(f"{where or param} {why}{shown}.", param, code)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_int(value: Any, param: str, lo: int, hi: int) -> int:
-    if not _is_int(value) or not lo <= value <= hi:
-        _fail(param, f"must be an integer in [{lo}, {hi}]", value)
-    return value
-
-
-def check_real(value: Any, param: str, lo: float, hi: float, lo_open: bool = False) -> float:
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (lo < value if lo_open else lo <= value)
-        and value <= hi
-    )
-    if not ok:
-        _fail(param, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]", value)
-    return float(value)
-
-
-def check_bool(value: Any, param: str) -> bool:
-    if not isinstance(value, bool):
-        _fail(param, "must be true or false", value)
-    return value
-
-
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context
 
 
@@ -112,11 +75,11 @@ def check_trace_headers(headers: Any) -> dict[str, str] | None:
     if headers is None:
         return None
     if not isinstance(headers, Mapping):
-        _fail("trace_headers", "must be a mapping of header names to values", headers)
+        fail("trace_headers", "must be a mapping of header names to values", headers)
     out = {}
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
-            _fail("trace_headers", "names and values must be strings", f"{name!r}: {value!r}")
+            fail("trace_headers", "names and values must be strings", f"{name!r}: {value!r}")
         if name.lower() in TRACE_HEADERS:
             check_text(value, f"trace_headers.{name.lower()}", 512)
             out[name.lower()] = value
@@ -128,23 +91,23 @@ def check_text(
 ) -> str:
     """A str that is valid Unicode for UTF-8 (a lone surrogate is not), at most `max_chars`."""
     if not isinstance(value, str):
-        _fail(param, "must be a string", value, where=where)
+        fail(param, "must be a string", value, where=where)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        _fail(param, f"is not valid UTF-8 (a lone surrogate at character {e.start})", where=where)
+        fail(param, f"is not valid UTF-8 (a lone surrogate at character {e.start})", where=where)
     if max_chars is not None and len(value) > max_chars:
-        _fail(param, f"must be at most {max_chars} characters long (is {len(value)})", where=where)
+        fail(param, f"must be at most {max_chars} characters long (is {len(value)})", where=where)
     return value
 
 
 def check_list(value: Any, param: str, max_len: int, allow_empty: bool = False) -> list:
     if not isinstance(value, list):
-        _fail(param, "must be a list", value)
+        fail(param, "must be a list", value)
     if not value and not allow_empty:
-        _fail(param, "must not be empty")
+        fail(param, "must not be empty")
     if len(value) > max_len:
-        _fail(param, f"may hold at most {max_len} entries (has {len(value)})")
+        fail(param, f"may hold at most {max_len} entries (has {len(value)})")
     return value
 
 
@@ -153,14 +116,14 @@ def check_strings(value: Any, param: str, limits: RequestLimits, max_len: int) -
     values = [value] if isinstance(value, str) else check_list(value, param, max_len, True)
     for item in values:
         if not check_text(item, param, limits.max_stop_string_chars):
-            _fail(param, "must not hold empty strings")
+            fail(param, "must not hold empty strings")
     return list(values)
 
 
 def check_all_text(value: Any, param: str, depth: int = 0) -> None:
     """Every string inside a JSON-like value is valid UTF-8 (template variables)."""
     if depth > 16:
-        _fail(param, "is nested too deeply")
+        fail(param, "is nested too deeply")
     if isinstance(value, str):
         check_text(value, param)
     elif isinstance(value, dict):
@@ -219,14 +182,14 @@ class Processor:
         are exported. Raises InvalidRequestError naming the field."""
         check_text(request_id, "request_id", 256)
         if not request_id:
-            _fail("request_id", "must not be empty")
+            fail("request_id", "must not be empty")
         check_int(priority, "priority", INT64_MIN, INT64_MAX)
         if lora_request is not None:
             self.check_lora(lora_request)
         if params is None:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
-            _fail("params", "must be a SamplingParams", type(params).__name__)
+            fail("params", "must be a SamplingParams", type(params).__name__)
         trace_headers = check_trace_headers(trace_headers)
         text, token_ids, features = self.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.check_params(params, len(token_ids))
@@ -267,15 +230,15 @@ class Processor:
         adapter folder that fits the model and max_lora_rank (read from its config and
         its weight file's header; no tensor is read here)."""
         if self.lora_config is None:
-            _fail(param, "needs LoRA on: start the engine with enable_lora=True (--enable-lora)")
+            fail(param, "needs LoRA on: start the engine with enable_lora=True (--enable-lora)")
         if not isinstance(lora_request, LoRARequest):
-            _fail(param, "must be a LoRARequest", type(lora_request).__name__)
+            fail(param, "must be a LoRARequest", type(lora_request).__name__)
         check_text(lora_request.lora_name, param, 256, where=f"{param}.lora_name")
         if not lora_request.lora_name:
-            _fail(param, "must not be empty", where=f"{param}.lora_name")
+            fail(param, "must not be empty", where=f"{param}.lora_name")
         lora_id = lora_request.lora_int_id
-        if not _is_int(lora_id) or not 1 <= lora_id <= INT64_MAX:
-            _fail(param, "must be an integer >= 1", lora_id, where=f"{param}.lora_int_id")
+        if not is_int(lora_id) or not 1 <= lora_id <= INT64_MAX:
+            fail(param, "must be an integer >= 1", lora_id, where=f"{param}.lora_int_id")
         check_text(lora_request.lora_path, param, 4096, where=f"{param}.lora_path")
         check_adapter(
             lora_request.lora_path,
@@ -326,14 +289,14 @@ class Processor:
                     prompt["prompt_token_ids"], "prompt_token_ids", self.max_model_len * 64
                 )
                 if self.images is not None and self.images.image_token_id in token_ids:
-                    _fail(param, "holds the image token, but images come only with a text "
+                    fail(param, "holds the image token, but images come only with a text "
                           "prompt (multi_modal_data) or chat messages")  # fmt: skip
             else:
                 text, token_ids = self._check_prompt_text(prompt["prompt"], "prompt"), None
                 if "multi_modal_data" in prompt:
                     images = self._check_multi_modal_data(prompt["multi_modal_data"])
         else:
-            _fail(
+            fail(
                 "prompt",
                 "must be a string or a dict with 'prompt', 'prompt_token_ids' or 'messages'",
                 type(prompt).__name__,
@@ -344,16 +307,16 @@ class Processor:
         elif token_ids is None:
             token_ids = self._encode(text, param)
         if not token_ids:
-            _fail(param, "must not be empty")
+            fail(param, "must not be empty")
         if truncate_prompt_tokens is not None:
             keep = check_int(
                 truncate_prompt_tokens, "truncate_prompt_tokens", 1, self.max_model_len - 1
             )
             if features and keep < len(token_ids):
-                _fail("truncate_prompt_tokens", "cannot cut a prompt that holds images")
+                fail("truncate_prompt_tokens", "cannot cut a prompt that holds images")
             token_ids = token_ids[-keep:]
         if len(token_ids) >= self.max_model_len:
-            _fail(
+            fail(
                 param,
                 f"is {len(token_ids)} tokens long; this model's maximum context length "
                 f"(max_model_len) is {self.max_model_len} tokens, which must leave room for "
@@ -364,18 +327,18 @@ class Processor:
 
     def _check_multi_modal_data(self, data: Any) -> list:
         if self.images is None:
-            _fail("multi_modal_data", "cannot be used: this model takes no images")
+            fail("multi_modal_data", "cannot be used: this model takes no images")
         if not isinstance(data, dict) or set(data) != {"image"}:
-            _fail("multi_modal_data", "must be {'image': an image or a list of images}",
-                  _show(data))  # fmt: skip
+            fail("multi_modal_data", "must be {'image': an image or a list of images}",
+                  show(data))  # fmt: skip
         return self.images.check_images(data["image"], "multi_modal_data")
 
     def check_num_prompts(self, num_prompts: int) -> None:
         """How many prompts one request (a /v1/completions body) may carry."""
         if num_prompts < 1:
-            _fail("prompt", "must not be empty")
+            fail("prompt", "must not be empty")
         if num_prompts > self.limits.max_prompts:
-            _fail("prompt", f"may hold at most {self.limits.max_prompts} prompts ({num_prompts})")
+            fail("prompt", f"may hold at most {self.limits.max_prompts} prompts ({num_prompts})")
 
     def _prompt_form(self, prompt: dict[str, Any]) -> str:
         keys = set(prompt)
@@ -383,18 +346,18 @@ class Processor:
             if required <= keys:
                 extra = keys - required - optional
                 if extra:
-                    _fail(
+                    fail(
                         "prompt",
                         f"has keys this form ({', '.join(sorted(required))}) does not take: "
                         f"{', '.join(sorted(map(str, extra)))}",
                     )
                 return next(iter(required))
-        _fail("prompt", "must have 'prompt', 'prompt_token_ids' or 'messages'", sorted(keys))
+        fail("prompt", "must have 'prompt', 'prompt_token_ids' or 'messages'", sorted(keys))
 
     def _check_prompt_text(self, text: Any, param: str) -> str:
         check_text(text, param)
         if not text:
-            _fail(param, "must not be empty")
+            fail(param, "must not be empty")
         return text
 
     def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -406,7 +369,7 @@ class Processor:
 
     def _check_vocabulary(self, ids: list[int], param: str) -> None:
         if ids and max(ids) >= self.vocab_size:
-            _fail(
+            fail(
                 param,
                 f"holds a token ({max(ids)}) beyond the model's vocabulary ({self.vocab_size})",
             )
@@ -415,8 +378,8 @@ class Processor:
         """A list of token ids, each in [0, vocab_size)."""
         check_list(token_ids, param, max_len, allow_empty=True)
         for t in token_ids:
-            if not _is_int(t) or not 0 <= t < self.vocab_size:
-                _fail(param, f"must hold token ids in [0, {self.vocab_size})", t)
+            if not is_int(t) or not 0 <= t < self.vocab_size:
+                fail(param, f"must hold token ids in [0, {self.vocab_size})", t)
         return token_ids
 
     def render_chat(
@@ -433,14 +396,14 @@ class Processor:
         check_bool(add_generation_prompt, "add_generation_prompt")
         if template_kwargs is not None:
             if not isinstance(template_kwargs, dict):
-                _fail("chat_template_kwargs", "must be an object", template_kwargs)
+                fail("chat_template_kwargs", "must be an object", template_kwargs)
             reserved = self._reserved_template_kwargs & set(template_kwargs)
             if reserved:
-                _fail("chat_template_kwargs", f"may not set {', '.join(sorted(reserved))}")
+                fail("chat_template_kwargs", f"may not set {', '.join(sorted(reserved))}")
             check_all_text(template_kwargs, "chat_template_kwargs")
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
-            _fail("messages", "cannot be used: this model has no chat template; send a prompt")
+            fail("messages", "cannot be used: this model has no chat template; send a prompt")
         images: list = []
         walks_parts = bool(_TEMPLATE_WALKS_PARTS.search(template))
         messages = [
@@ -460,7 +423,7 @@ class Processor:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as e:  # the template raised (e.g. roles out of order)
-            _fail("messages", f"were refused by the chat template: {e}")
+            fail("messages", f"were refused by the chat template: {e}")
         # The template already holds any special tokens it wants.
         if self.images is None:
             return text, self._encode(text, "messages", add_special_tokens=False), []
@@ -476,14 +439,14 @@ class Processor:
         for a template that walks parts, else the model's image token in the text."""
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            _fail("messages", "must be an object", message, where=where)
+            fail("messages", "must be an object", message, where=where)
         extra = set(message) - MESSAGE_KEYS
         if extra:
             fields = ", ".join(sorted(map(str, extra)))
-            _fail("messages", f"has fields pagoda does not support: {fields}", where=where)
+            fail("messages", f"has fields pagoda does not support: {fields}", where=where)
         role = message.get("role")
         if role not in ROLES:
-            _fail("messages", f"must be one of {', '.join(ROLES)}", role, where=f"{where}.role")
+            fail("messages", f"must be one of {', '.join(ROLES)}", role, where=f"{where}.role")
         content = message.get("content")
         if isinstance(content, list):
             content = self._check_parts(content, f"{where}.content", images, walks_parts)
@@ -496,7 +459,7 @@ class Processor:
             out["name"] = check_text(message["name"], "messages", 256, where=f"{where}.name")
         if message.get("tool_calls") is not None:
             if role != "assistant":
-                _fail("messages", "only an assistant message has tool_calls", where=where)
+                fail("messages", "only an assistant message has tool_calls", where=where)
             out["tool_calls"] = self._check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
         if message.get("tool_call_id") is not None:
             out["tool_call_id"] = check_text(
@@ -519,28 +482,28 @@ class Processor:
                     if self.images is not None
                     else " (this model takes no images)"
                 )
-                _fail("messages", why, part, where=f"{where}[{j}]")
+                fail("messages", why, part, where=f"{where}[{j}]")
             if key == "text":
                 out.append({"type": "text", "text": check_text(
                     part["text"], "messages", where=f"{where}[{j}].text")})  # fmt: skip
                 continue
             if self.images is None:
-                _fail("messages", "holds an image, but this model takes no images",
+                fail("messages", "holds an image, but this model takes no images",
                       where=f"{where}[{j}]")  # fmt: skip
             value = part[key]
             if key == "image_pil" and isinstance(value, str):
-                _fail("messages", "must be a PIL image (send URLs as image_url)",
+                fail("messages", "must be a PIL image (send URLs as image_url)",
                       where=f"{where}[{j}].image_pil")  # fmt: skip
             if key == "image_url":
                 if isinstance(value, dict) and set(value) <= {"url", "detail"}:
                     value = value.get("url")
                 elif not isinstance(value, str):
-                    _fail("messages", "must be {'url': ...}", _show(value), where=f"{where}[{j}]")
+                    fail("messages", "must be {'url': ...}", show(value), where=f"{where}[{j}]")
             from pagoda.multimodal import load_image
 
             images.append(load_image(value, self.limits, "messages", f"{where}[{j}].{key}"))
             if len(images) > self.limits.max_images:
-                _fail("messages", f"hold more than {self.limits.max_images} images; "
+                fail("messages", f"hold more than {self.limits.max_images} images; "
                       "that is the limit per prompt (limit_mm_per_prompt)")  # fmt: skip
             out.append({"type": "image"})
         if walks_parts and any(p["type"] == "image" for p in out):
@@ -561,7 +524,7 @@ class Processor:
                 args = None
             if not isinstance(args, dict):
                 why = "must be {'id', 'type': 'function', 'function': {'name', 'arguments'}} with arguments a JSON object's text"
-                _fail("messages", why, call, where=f"{where}[{i}]")
+                fail("messages", why, call, where=f"{where}[{i}]")
             check_all_text(call, "messages")
             entry = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
             if isinstance(call.get("id"), str):
@@ -588,7 +551,7 @@ class Processor:
         if p.allowed_token_ids is not None:
             self.check_token_ids(p.allowed_token_ids, "allowed_token_ids", vocab)
             if not p.allowed_token_ids:
-                _fail("allowed_token_ids", "must not be empty")
+                fail("allowed_token_ids", "must not be empty")
         bad_words = None
         if p.bad_words is not None:
             bad_words = check_strings(p.bad_words, "bad_words", limits, limits.max_bad_words)
@@ -601,11 +564,11 @@ class Processor:
         else:
             check_int(max_tokens, "max_tokens", 1, INT64_MAX)
             if limits.max_tokens is not None and max_tokens > limits.max_tokens:
-                _fail(
+                fail(
                     "max_tokens", f"must be at most {limits.max_tokens} on this server", max_tokens
                 )
             if max_tokens > room:
-                _fail(
+                fail(
                     "max_tokens",
                     f"is too large: this model's maximum context length (max_model_len) is "
                     f"{self.max_model_len} tokens and the prompt is {num_prompt_tokens}, which "
@@ -625,7 +588,7 @@ class Processor:
             if getattr(p, name) is not None:
                 check_int(getattr(p, name), name, 0, limits.max_logprobs)
         if not isinstance(p.output_kind, RequestOutputKind):
-            _fail("output_kind", "must be a RequestOutputKind", p.output_kind)
+            fail("output_kind", "must be a RequestOutputKind", p.output_kind)
         bad_words_token_ids = self._bad_words(bad_words)
         if p.allowed_token_ids is not None:
             banned = {w[0] for w in bad_words_token_ids if len(w) == 1}
@@ -633,7 +596,7 @@ class Processor:
                 eos = () if p.ignore_eos else self.model_config.eos_token_ids
                 banned |= {*stop_token_ids, *eos}
             if set(p.allowed_token_ids) <= banned:
-                _fail(
+                fail(
                     "allowed_token_ids",
                     "leaves no token to sample: bad_words or min_tokens ban every one",
                 )
@@ -658,15 +621,15 @@ class Processor:
         if logit_bias is None:
             return None
         if not isinstance(logit_bias, dict):
-            _fail("logit_bias", "must map token ids to numbers", logit_bias)
+            fail("logit_bias", "must map token ids to numbers", logit_bias)
         if len(logit_bias) > self.limits.max_logit_bias:
-            _fail("logit_bias", f"may hold at most {self.limits.max_logit_bias} entries")
+            fail("logit_bias", f"may hold at most {self.limits.max_logit_bias} entries")
         out = {}
         for key, bias in logit_bias.items():
             if isinstance(key, str) and _INT_KEY.fullmatch(key):
                 key = int(key)
-            if not _is_int(key) or not 0 <= key < self.vocab_size:
-                _fail("logit_bias", f"keys must be token ids in [0, {self.vocab_size})", key)
+            if not is_int(key) or not 0 <= key < self.vocab_size:
+                fail("logit_bias", f"keys must be token ids in [0, {self.vocab_size})", key)
             out[key] = check_real(bias, "logit_bias", -100.0, 100.0)
         return out
 

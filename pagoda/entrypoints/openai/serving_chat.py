@@ -165,7 +165,9 @@ class OpenAIServingChat(OpenAIServing):
             constraint, source = StructuredOutputsParams(grammar=call_grammar_), "tool_choice"
         if source:
             renames["structured_outputs"] = source
-        params = self.sampling_params(req, max_tokens, logprobs, structured_outputs=constraint)
+        params = self.sampling_params(
+            req, renames, max_tokens, logprobs, structured_outputs=constraint
+        )
         prompt = {
             "messages": self.conversation(req),
             "add_generation_prompt": req.add_generation_prompt,

@@ -72,11 +72,11 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = req.logprobs  # echoed prompt tokens get logprobs too
         constraint, source = self.structured_outputs(req)
+        renames = {**RENAMES, "structured_outputs": source} if source else RENAMES
         params = self.sampling_params(
-            req, req.max_tokens, req.logprobs, prompt_logprobs, constraint
+            req, renames, req.max_tokens, req.logprobs, prompt_logprobs, constraint
         )
         response_id = random_id("cmpl")
-        renames = {**RENAMES, "structured_outputs": source} if source else RENAMES
         streams = await super().start(
             response_id,
             to_prompts(req.prompt),

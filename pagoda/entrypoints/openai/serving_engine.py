@@ -327,12 +327,14 @@ class OpenAIServing:
     def sampling_params(
         self,
         req: SamplingFields,
+        renames: dict[str, str],
         max_tokens: int | None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """The body's SamplingParams, as sent (the Processor checks them). Unset
+        """The body's SamplingParams, as sent (checked at construction, then by the
+        Processor; a 400 names the body's field through `renames`). Unset
         temperature/top_p/top_k/min_p/repetition_penalty fall back to the model's
         generation_config, then to OpenAI's defaults (as vLLM does)."""
         defaults = self.generation_defaults
@@ -341,32 +343,35 @@ class OpenAIServing:
             value = getattr(req, name)
             return value if value is not None else defaults.get(name, fallback)
 
-        return SamplingParams(
-            n=req.n,
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", -1),
-            min_p=pick("min_p", 0.0),
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=pick("repetition_penalty", 1.0),
-            logit_bias=req.logit_bias,
-            seed=req.seed,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            stop=req.stop or [],
-            stop_token_ids=req.stop_token_ids or [],
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            allowed_token_ids=req.allowed_token_ids,
-            bad_words=req.bad_words,
-            skip_special_tokens=req.skip_special_tokens,
-            truncate_prompt_tokens=req.truncate_prompt_tokens,
-            output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs,
-        )
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", -1),
+                min_p=pick("min_p", 0.0),
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                logit_bias=req.logit_bias,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop or [],
+                stop_token_ids=req.stop_token_ids or [],
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
+                skip_special_tokens=req.skip_special_tokens,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
+                output_kind=RequestOutputKind.DELTA,
+                structured_outputs=structured_outputs,
+            )
+        except InvalidRequestError as e:
+            raise from_invalid(e, renames) from e
 
     async def start(
         self,
