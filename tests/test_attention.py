@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.attention.context import AttentionMetadata
+from pagoda.attention.context import (
+    AttentionMetadata,
+    forward_context,
+    get_attention_metadata,
+    get_lora_mapping,
+)
 from pagoda.attention.kv_cache import PagedKVCache, dequantize_kv, quantize_kv
 from pagoda.attention.paged import AttentionParams, paged_attention, write_kv
 from pagoda.ops import cpu, select_ops
@@ -162,3 +167,35 @@ def test_kernel_rows_are_independent_of_the_batch():
             q[i], cache.k, cache.v, padded[i : i + 1], lens[i : i + 1], 0.125
         )
         assert torch.equal(alone, together[i : i + 1])
+
+
+def test_forward_context_is_per_thread():
+    """Two engines stepping on two threads of one process: each step's layers read
+    their own thread's batch, whatever the other thread entered meanwhile."""
+    import contextlib
+    import threading
+
+    both_inside = threading.Barrier(2)
+    seen: dict[int, tuple] = {}
+
+    def step(i: int) -> None:
+        meta = AttentionMetadata(
+            torch.arange(i + 1), i, torch.zeros(0, 1), torch.zeros(0), [], [], [], []
+        )
+        with forward_context(meta, lora=f"mapping {i}"):
+            both_inside.wait()  # the other thread has entered its own context by now
+            seen[i] = (get_attention_metadata(), get_lora_mapping())
+            both_inside.wait()
+        with contextlib.suppress(RuntimeError):  # once out, nothing is left behind
+            seen[i] += (get_attention_metadata(),)
+
+    threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [len(seen[0]), len(seen[1])] == [2, 2]
+    assert [(meta.num_decodes, lora) for meta, lora in (seen[0], seen[1])] == [
+        (0, "mapping 0"),
+        (1, "mapping 1"),
+    ]

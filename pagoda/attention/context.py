@@ -2,10 +2,13 @@
 
 Models keep `forward(input_ids, positions)`; only the attention layer reads the
 attention metadata, and only linears with adapter slots read the LoRA mapping.
+The context is per thread: two engines stepping on two threads of one process
+never see each other's batch.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -59,27 +62,32 @@ class AttentionMetadata:
         )
 
 
-_current: AttentionMetadata | None = None
-_current_lora: LoRAMapping | None = None
+class _Context(threading.local):
+    meta: AttentionMetadata | None = None
+    lora: LoRAMapping | None = None
+
+
+_context = _Context()
 
 
 @contextmanager
 def forward_context(meta: AttentionMetadata, lora: LoRAMapping | None = None) -> Iterator[None]:
     """`lora`: the step's adapter segments (None: every token runs the base model)."""
-    global _current, _current_lora
-    previous = _current, _current_lora
-    _current, _current_lora = meta, lora
+    context = _context
+    previous = context.meta, context.lora
+    context.meta, context.lora = meta, lora
     try:
         yield
     finally:
-        _current, _current_lora = previous
+        context.meta, context.lora = previous
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    if _current is None:
+    meta = _context.meta
+    if meta is None:
         raise RuntimeError("attention called outside forward_context()")
-    return _current
+    return meta
 
 
 def get_lora_mapping() -> LoRAMapping | None:
-    return _current_lora
+    return _context.lora
