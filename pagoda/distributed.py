@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagoda import envs
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -181,15 +183,12 @@ class SharedMemoryAllReduce:
         deadline = None
         while self.flags.min() < self.seq:
             if deadline is None:
-                deadline = time.monotonic() + _SPIN_TIMEOUT_S
+                deadline = time.monotonic() + envs.distributed_timeout_s()
             elif time.monotonic() > deadline:
                 raise RuntimeError("all-reduce: a tensor-parallel peer did not answer")
             os.sched_yield()  # a rank sharing this core gets it
         torch.sum(slots, dim=0, out=x)
         return True
-
-
-_SPIN_TIMEOUT_S = int(os.environ.get("PAGODA_DISTRIBUTED_TIMEOUT_S", "300"))
 
 
 def split_range(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:

@@ -16,3 +16,15 @@ def api_key() -> str | None:
 
 def log_level() -> str:
     return os.environ.get("PAGODA_LOG_LEVEL", "INFO").upper()
+
+
+def distributed_timeout_s() -> int:
+    """How long a worker waits on another (a collective, a pipeline hand-off) before
+    it gives up: PAGODA_DISTRIBUTED_TIMEOUT_S, 300 by default."""
+    value = os.environ.get("PAGODA_DISTRIBUTED_TIMEOUT_S", "300")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"PAGODA_DISTRIBUTED_TIMEOUT_S must be whole seconds, got {value!r}."
+        ) from None

@@ -34,6 +34,7 @@ import uuid
 from multiprocessing import connection
 from typing import Any
 
+from pagoda import envs
 from pagoda.config import CacheConfig, ModelConfig, ParallelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.errors import EngineDeadError
@@ -41,7 +42,6 @@ from pagoda.errors import EngineDeadError
 logger = logging.getLogger(__name__)
 
 # How long a collective may wait for a peer before it fails (a wedged worker).
-_COLLECTIVE_TIMEOUT_S = int(os.environ.get("PAGODA_DISTRIBUTED_TIMEOUT_S", "300"))
 
 
 class Worker:
@@ -72,7 +72,7 @@ class Worker:
             init_method=init_method,
             rank=rank,
             world_size=parallel.world_size,
-            timeout=timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
+            timeout=timedelta(seconds=envs.distributed_timeout_s()),
         )
         self.rank = rank
         if shm_dir is not None:  # on this host: the TP groups' all-reduce files
