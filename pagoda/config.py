@@ -11,6 +11,14 @@ import logging
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from pagoda.model_executor.models import (
+    EXPERTS,
+    LATENT_ATTENTION,
+    NORMS_ACROSS_HEADS,
+    VISION,
+    needs,
+)
+
 logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -372,16 +380,13 @@ class EngineArgs:
         path, is_gguf = model_loader.resolve_model(self.model)
         hf_config = model_loader.load_hf_config(path, is_gguf)
         model_loader.check_architecture(hf_config, path)
-        if self.enable_lora and (
-            hf_config.get("num_local_experts")
-            or hf_config.get("num_experts")
-            or hf_config.get("n_routed_experts")
-        ):
+        model_needs = needs(hf_config["architectures"][0])
+        if self.enable_lora and EXPERTS in model_needs:
             raise ValueError(
                 "enable_lora: LoRA adapters on mixture-of-experts models are not supported yet "
                 f"({hf_config['architectures'][0]})."
             )
-        if self.enable_lora and "vision_config" in hf_config:
+        if self.enable_lora and VISION in model_needs:
             raise ValueError(
                 "enable_lora: LoRA adapters on vision-language models are not supported yet "
                 f"({hf_config['architectures'][0]})."
@@ -469,10 +474,7 @@ class EngineArgs:
             "kv_cache_dtype": self.kv_cache_dtype != "auto",
             "enable_lora": self.enable_lora,
             "tensor_parallel_size": self.tensor_parallel_size * self.pipeline_parallel_size > 1,
-            "model": "vision_config" in hf_config
-            or "MoeForCausalLM" in arch
-            or "Mixtral" in arch
-            or "Deepseek" in arch,
+            "model": bool(needs(arch) & {EXPERTS, LATENT_ATTENTION, VISION}),
             "speculative_config": (self.speculative_config or {}).get("method")
             in ("draft", "draft_model"),
         }
@@ -502,11 +504,15 @@ class EngineArgs:
         arch = hf_config["architectures"][0]
         if self.enable_lora:
             raise ValueError(f"{name} > 1: LoRA adapters are not split across workers yet.")
-        if "vision_config" in hf_config:
+        model_needs = needs(arch)
+        if VISION in model_needs:
             raise ValueError(f"{name} > 1: vision-language models ({arch}) are not supported yet.")
-        if tp > 1 and arch == "OlmoeForCausalLM":  # its q/k norms span every head
-            raise ValueError(f"tensor_parallel_size > 1: {arch} is not supported yet.")
-        if tp > 1 and hf_config.get("kv_lora_rank"):
+        if tp > 1 and NORMS_ACROSS_HEADS in model_needs:
+            raise ValueError(
+                f"tensor_parallel_size > 1: {arch} is not supported yet (its q/k norms span "
+                "every head)."
+            )
+        if tp > 1 and LATENT_ATTENTION in model_needs:
             raise ValueError(
                 f"tensor_parallel_size > 1: multi-head latent attention ({arch}) is not "
                 "split across workers yet."
@@ -533,7 +539,7 @@ class EngineArgs:
         spec = SpeculativeConfig.from_dict(self.speculative_config)
         if spec.method != "draft":
             return None
-        if "vision_config" in target.hf_config:
+        if VISION in needs(target.hf_config["architectures"][0]):
             raise ValueError(
                 "speculative_config: draft-model speculation on a vision-language model is "
                 'not supported yet (use method "ngram").'
@@ -558,7 +564,7 @@ class EngineArgs:
                 "speculative_config.quantization, or name a smaller model.",
                 name,
             )
-        if "vision_config" in draft.hf_config:
+        if VISION in needs(draft.hf_config["architectures"][0]):
             raise ValueError(f"{name} is a vision-language model; a draft must be text-only.")
         if draft.hf_config["vocab_size"] != target.hf_config["vocab_size"]:
             raise ValueError(

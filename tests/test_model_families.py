@@ -344,3 +344,22 @@ def test_a_pipeline_stage_sees_the_whole_models_windows(family_models):
         cls = model_class(config["architectures"][0])
         last_stage = cls(cfg, TORCH_OPS, ParallelContext(pp_rank=1, pp_size=2))
         assert common_window(last_stage) == whole, arch
+
+
+def test_the_gpu_path_refuses_by_what_a_model_needs():
+    """Every architecture with experts, latent attention or a vision tower is refused
+    on device 'cuda' (OLMoE once slipped through a check by name); the dense ones,
+    Gemma 3's text half among them, are not."""
+    from pagoda import EngineArgs
+    from pagoda.model_executor.models import ARCHITECTURES, needs
+
+    shape = {"hidden_size": 256, "num_attention_heads": 4}
+    refused = set()
+    for arch in ARCHITECTURES:
+        refusal = EngineArgs(model="unused")._cuda_refusal({"architectures": [arch], **shape})
+        if refusal is not None:
+            assert arch in refusal and "device 'cuda'" in refusal
+            refused.add(arch)
+    assert refused == {arch for arch in ARCHITECTURES if needs(arch)}
+    assert {"OlmoeForCausalLM", "MixtralForCausalLM", "LlavaForConditionalGeneration"} <= refused
+    assert "Gemma3ForConditionalGeneration" not in refused

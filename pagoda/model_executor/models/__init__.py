@@ -1,4 +1,6 @@
-"""Model registry: architecture name -> the module and class that build it.
+"""Model registry: architecture name -> the module and class that build it, and what
+the model needs beyond a dense decoder (its capabilities: what some paths do not run
+yet refuse it by these, never by its name).
 
 Torch-free to import (the config layer reads it); `model_class` imports the family's
 module on first use.
@@ -7,6 +9,11 @@ module on first use.
 from __future__ import annotations
 
 import importlib
+
+EXPERTS = "experts"  # mixture-of-experts layers
+LATENT_ATTENTION = "latent_attention"  # MLA: one latent row a token in the cache
+VISION = "vision"  # an image encoder feeding the decoder
+NORMS_ACROSS_HEADS = "norms_across_heads"  # q/k norms over every head at once (OLMoE)
 
 # architecture -> (module under pagoda.model_executor.models, class)
 ARCHITECTURES = {
@@ -31,6 +38,23 @@ ARCHITECTURES = {
     # Vision-language: a vision encoder and projector feeding a Llama-family model.
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
+
+
+# architecture -> what it needs beyond a dense decoder (absent: nothing)
+NEEDS = {
+    "MixtralForCausalLM": {EXPERTS},
+    "Qwen2MoeForCausalLM": {EXPERTS},
+    "OlmoeForCausalLM": {EXPERTS, NORMS_ACROSS_HEADS},
+    "Qwen3MoeForCausalLM": {EXPERTS},
+    "DeepseekV2ForCausalLM": {EXPERTS, LATENT_ATTENTION},
+    "DeepseekV3ForCausalLM": {EXPERTS, LATENT_ATTENTION},
+    "LlavaForConditionalGeneration": {VISION},
+}
+
+
+def needs(architecture: str) -> frozenset[str]:
+    """What `architecture` needs beyond a dense decoder (EXPERTS, LATENT_ATTENTION, ...)."""
+    return frozenset(NEEDS.get(architecture, ()))
 
 
 def model_class(architecture: str):
