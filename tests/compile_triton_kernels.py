@@ -33,9 +33,9 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/
 
 def stack_bytes(cubin: bytes) -> int | None:
     """The kernel's stack frame (registers spilled to local memory), by cuobjdump
-    (bundled with Triton); None where it is not."""
+    (bundled with Triton); None where it cannot tell (a failure: spills unchecked)."""
     if not os.path.exists(CUOBJDUMP):
-        print(f"(no {CUOBJDUMP}: spills not checked)")
+        print(f"(no {CUOBJDUMP})")
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -57,6 +57,9 @@ def compile_kernel(
         print(f"FAIL {label}: {type(e).__name__}: {str(e)[:2000]}")
         return False
     stack = stack_bytes(kernel.asm["cubin"])
+    if stack is None:
+        print(f"FAIL {label}: cuobjdump gave no stack size, so spills were not checked")
+        return False
     if stack:  # a spill: slow, and the sign of a tile too large for the registers
         print(f"FAIL {label}: {stack} bytes of registers spilled to the stack")
         return False

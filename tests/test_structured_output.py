@@ -82,8 +82,14 @@ def test_json_object_regex_choice_and_grammars(llm, prompts):
         re.fullmatch(r"x=[1-9][0-9]?;", t) for t in texts(llm, prompts, constrained(grammar=lark))
     )
     gbnf = 'root ::= "(" [a-c]+ ")"'
-    for t in texts(llm, prompts, constrained(grammar=gbnf)):
-        assert re.fullmatch(r"\([a-c]+\)", t) or len(t) >= 100  # may run to max_tokens
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], constrained(grammar=gbnf), use_tqdm=False
+    )
+    for c in (o.outputs[0] for o in outs):
+        if c.finish_reason == "stop":  # the grammar completed
+            assert re.fullmatch(r"\([a-c]+\)", c.text), c.text
+        else:  # cut at max_tokens: still a prefix the grammar allows
+            assert c.finish_reason == "length" and re.fullmatch(r"\([a-c]*", c.text), c.text
     # Unconstrained, the same model produces none of these.
     free = texts(llm, prompts, SamplingParams(temperature=0.9, seed=3, max_tokens=30))
     assert not any(re.fullmatch(pattern, t) or t in choices for t in free)
