@@ -110,6 +110,26 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
+    def features_in(self, start: int, end: int) -> list[MultiModalFeature]:
+        """Its images (in prompt order) that positions start..end-1 cover."""
+        return [f for f in self.mm_features if f.offset < end and f.offset + f.length > start]
+
+    def stop_status(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """Whether `token_id`, just appended, ends the request by its stop conditions
+        (EOS, a stop token, max_tokens, the context); sets `stop_reason` for a stop token."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in params.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

@@ -512,7 +512,7 @@ def test_an_adapter_id_names_one_adapter(tiny_llama, adapters):
 def test_a_waiting_adapter_is_not_starved(tiny_llama, adapters):
     """max_loras = 1 and a steady stream for one adapter: a request for another adapter
     is passed over at first, then the stream stops passing it and it runs."""
-    from pagoda.core.scheduler import LORA_MAX_PASSED_OVER
+    from pagoda.core.lora_admission import MAX_STEPS_PASSED_OVER as LORA_MAX_PASSED_OVER
 
     engine = LLMEngine(
         EngineArgs(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 23, enable_lora=True)

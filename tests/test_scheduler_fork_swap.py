@@ -116,7 +116,7 @@ def test_random_fork_and_swap(data, num_blocks, num_host_blocks, budget, mode, c
             length = min(max_tokens, max_model_len - len(prompt))
             expected[cid] = expected_tokens(cid, length)
     got = {cid: [] for cid in expected}
-    with mock.patch("pagoda.core.scheduler.propose_ngram", oracle_drafts):
+    with mock.patch("pagoda.core.drafts.propose_ngram", oracle_drafts):
         for _ in range(2000):
             if not sched.has_unfinished_requests():
                 break

@@ -86,7 +86,7 @@ def oracle(monkeypatch):
             for p, o in zip(prompts, outputs, strict=True):
                 expected.setdefault(tuple(p), []).append(o)
 
-    monkeypatch.setattr("pagoda.core.scheduler.propose_ngram", propose)
+    monkeypatch.setattr("pagoda.core.drafts.propose_ngram", propose)
     return Oracle
 
 
@@ -276,7 +276,7 @@ def test_sampling_keeps_the_target_distribution(tiny_llama, monkeypatch, method)
     draft = [d1, int(p2.argmax())]
     # Drafts only after the prefill sampled `first`: every such draw verifies the same two.
     monkeypatch.setattr(
-        "pagoda.core.scheduler.propose_ngram",
+        "pagoda.core.drafts.propose_ngram",
         lambda tokens, k, *_: draft[:k] if tokens == prompt + [first] else [],
     )
     params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)

@@ -162,7 +162,7 @@ def draft_oracle(monkeypatch):
                 return draft
         return []
 
-    monkeypatch.setattr("pagoda.core.scheduler.propose_ngram", propose)
+    monkeypatch.setattr("pagoda.core.drafts.propose_ngram", propose)
     return expected
 
 
@@ -283,7 +283,7 @@ def test_a_slow_compile_holds_up_only_its_own_request(tiny_llama, prompts, monke
     finished = set()
     for _ in range(20):  # the free request runs to its end while the grammar compiles
         finished |= {o.request_id for o in engine_.step() if o.finished}
-    assert finished == {"free"} and engine_.scheduler.waiting_for_grammar
+    assert finished == {"free"} and engine_.scheduler.grammars.compiling
     release.set()
     while engine_.has_unfinished_requests():
         for out in engine_.step():

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagoda.lora.request import LoRARequest
-from pagoda.request import MultiModalFeature
+from pagoda.request import MultiModalFeature, Request
 from pagoda.sampling_params import SamplingParams
 
 
@@ -53,6 +53,48 @@ class ScheduledRequest:
     @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        num_new: int,
+        drafts: list[int],
+        draft_inputs: tuple[list[int], int],
+        block_ids: list[int],
+    ) -> ScheduledRequest:
+        """The request's work: `num_new` tokens from its computed ones, then `drafts`;
+        `draft_inputs`: what a draft model computes first, and from where."""
+        start = request.num_computed_tokens
+        end = start + num_new
+        params = request.sampling_params
+        samples = end == request.num_tokens
+        history = params.needs_token_history and samples
+        wants_prompt_logprobs = (
+            params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
+        )
+        return cls(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end] + list(drafts),
+            num_computed_tokens=start,
+            num_draft_tokens=len(drafts),
+            draft_input_ids=draft_inputs[0],
+            draft_input_start=draft_inputs[1],
+            block_ids=block_ids,
+            sampling_params=params if samples else None,
+            num_output_tokens=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids if history else None,
+            output_token_ids=request.output_token_ids if history else None,
+            # Each position's logprobs score the token after it.
+            prompt_logprob_targets=(
+                request.all_token_ids[start + 1 : min(end, request.num_prompt_tokens - 1) + 1]
+                if wants_prompt_logprobs
+                else None
+            ),
+            prompt_logprobs_n=params.prompt_logprobs or 0,
+            lora_request=request.lora_request,
+            mm_features=request.features_in(start, end),
+        )
 
 
 @dataclass

@@ -10,9 +10,15 @@ metrics' latency histograms and token counters.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.outputs import RequestMetrics
+from pagoda.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagoda.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,15 @@ class RequestProgress:
     lora_name: str  # "" for the base model
     arrival_time: float  # time.monotonic()
 
+    @classmethod
+    def of(cls, r: Request, state: str, num_blocks: int) -> RequestProgress:
+        lora_name = r.lora_request.lora_name if r.lora_request is not None else ""
+        return cls(
+            r.request_id, state, r.priority, r.num_prompt_tokens, r.num_computed_tokens,
+            r.num_output_tokens, r.sampling_params.max_tokens, num_blocks, lora_name,
+            r.arrival_time,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:
@@ -186,3 +201,52 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     queue_times: list[float] = field(default_factory=list)  # arrival -> first scheduled
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+def scheduler_stats(scheduler: Scheduler) -> SchedulerStats:
+    """The scheduler's numbers, with the KV cache manager's and its parts'."""
+    kv = scheduler.kv_cache_manager
+    kv_stats = kv.stats()
+    allocated_slots = kv_stats.num_blocks_used * kv.block_size
+    empty_slots = sum(
+        kv.num_blocks_of(r.request_id) * kv.block_size - r.num_computed_tokens
+        for r in scheduler.running
+    )
+    return SchedulerStats(
+        num_requests_running=len(scheduler.running),
+        num_requests_waiting=len(scheduler.requests)
+        - len(scheduler.running)
+        - kv_stats.num_requests_swapped,
+        num_preemptions_recompute=scheduler.num_preemptions["recompute"],
+        num_preemptions_swap=scheduler.num_preemptions["swap"],
+        num_prompt_tokens=scheduler.num_prompt_tokens_computed,
+        num_generation_tokens=scheduler.num_generation_tokens,
+        kv_cache_fragmentation_perc=100.0 * empty_slots / allocated_slots
+        if allocated_slots
+        else 0.0,
+        kv_cache=kv_stats,
+        spec_decoding=scheduler.drafts.stats.snapshot() if scheduler.drafts is not None else None,
+        lora=scheduler.loras.stats(scheduler.requests.values())
+        if scheduler.loras is not None
+        else None,
+        mm_cache_queries=scheduler.images.queries,
+        mm_cache_hits=scheduler.images.hits,
+    )
+
+
+def progress(scheduler: Scheduler, limit: int) -> list[RequestProgress]:
+    """At most `limit` sequences: running ones first, then the waiting queue in
+    order, then those waiting elsewhere (for a grammar, or to fork)."""
+    kv = scheduler.kv_cache_manager
+    shown: dict[str, Request] = {}
+    for r in itertools.chain(scheduler.running, scheduler.waiting, scheduler.requests.values()):
+        if len(shown) >= limit:
+            break
+        shown.setdefault(r.request_id, r)
+    out = []
+    for r in shown.values():
+        state = r.status.name.lower()
+        if r.status == RequestStatus.PREEMPTED and kv.is_swapped(r):
+            state = "swapped"
+        out.append(RequestProgress.of(r, state, kv.num_blocks_of(r.request_id)))
+    return out

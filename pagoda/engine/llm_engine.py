@@ -230,7 +230,7 @@ class LLMEngine:
             # stage has one to work on.
             share = -(-len(self.scheduler.requests) // self._pipeline_depth)
             scheduler_output = self.scheduler.schedule(max_requests=max(1, share))
-        outputs = self._fail_grammars() if self.scheduler.grammar_failures else []
+        outputs = self._fail_grammars(self.scheduler.take_grammar_failures())
         if scheduler_output is not None:  # a step that only swaps out must swap too
             self.model_runner.move_blocks(scheduler_output)
         if scheduler_output is not None and not scheduler_output.is_empty:
@@ -398,11 +398,12 @@ class LLMEngine:
         remaining = [s for s in sched.scheduled if s.request_id not in ended | retry]
         return replace(sched, scheduled=remaining), outputs
 
-    def _fail_grammars(self) -> list[RequestOutput]:
+    def _fail_grammars(self, failures: dict[str, str]) -> list[RequestOutput]:
         """End the requests whose grammar failed to compile (all their completions)."""
+        if not failures:
+            return []
         op = self.output_processor
-        by_parent = {op.parent_id(cid): why for cid, why in self.scheduler.grammar_failures.items()}
-        self.scheduler.grammar_failures.clear()
+        by_parent = {op.parent_id(cid): why for cid, why in failures.items()}
         children = [cid for parent in by_parent for cid in op.child_ids(parent)]
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
         outputs, stats = op.fail_requests(
