@@ -79,6 +79,11 @@ class SamplingParams:
     grammar: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """Each field's type and range, as far as they need neither the model nor the
+        server's limits; raises InvalidRequestError naming the field."""
         check_int(self.n, "n", 1, INT32_MAX)
         check_real(self.temperature, "temperature", 0.0, 1e6)
         check_real(self.top_p, "top_p", 0.0, 1.0, lo_open=True)

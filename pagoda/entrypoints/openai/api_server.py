@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__, envs
 from pagoda.engine.async_engine import AsyncEngine, EngineNotAcceptingError, QueueFullError
-from pagoda.engine.processor import TRACE_HEADERS
+from pagoda.engine.validation import TRACE_HEADERS
 from pagoda.entrypoints.openai.dashboard import DEFAULT_INTERVAL as DASHBOARD_INTERVAL
 from pagoda.entrypoints.openai.dashboard import DashboardFeed, dashboard_html
 from pagoda.entrypoints.openai.protocol import (

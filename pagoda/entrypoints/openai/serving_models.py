@@ -20,8 +20,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagoda.checks import check_text
 from pagoda.engine.async_engine import AsyncEngine
-from pagoda.engine.processor import check_text
 from pagoda.entrypoints.openai.protocol import ModelCard, now
 from pagoda.entrypoints.openai.serving_engine import APIError, from_invalid
 from pagoda.errors import InvalidRequestError
