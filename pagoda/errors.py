@@ -28,3 +28,15 @@ class RequestFailedError(RuntimeError):
 class EngineDeadError(RuntimeError):
     """The engine stopped after an error it could not pin on one request (`__cause__`
     says which). Every unfinished request ends with this error; a server exits."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are queued than `max_queue_len` allows; retry after `retry_after` s."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineNotAcceptingError(RuntimeError):
+    """The engine is shutting down and takes no new requests."""

@@ -24,215 +24,41 @@ dead: every stream ends with `EngineDeadError`, new requests are refused, and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs
-from pagoda.core.kv_events import KVEventBatch
 from pagoda.core.stats import EngineSnapshot, SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.messages import (
+    AbortAll,
+    AbortRequests,
+    AddLoRA,
+    AddRequests,
+    Deliveries,
+    EngineOp,
+    KVEventListeners,
+    KVEventStream,
+    ListenKVEvents,
+    ProcessedRequest,
+    RemoveLoRA,
+    RequestStream,
+    StopKVEvents,
+    TakeSnapshot,
+)
 from pagoda.engine.processor import PromptType
-from pagoda.errors import EngineDeadError, RequestFailedError
+from pagoda.errors import EngineDeadError, EngineNotAcceptingError, QueueFullError
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics import EngineMetrics
 from pagoda.outputs import RequestOutput
-from pagoda.request import Request
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """More requests are queued than `max_queue_len` allows; retry after `retry_after` s."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineNotAcceptingError(RuntimeError):
-    """The engine is shutting down and takes no new requests."""
-
-
-# ---- operations for the engine thread ------------------------------------------------
-
-
-@dataclass
-class ProcessedRequest:
-    """A request the Processor has checked and tokenized, ready for the engine."""
-
-    request_id: str
-    children: list[Request]
-    prompt_text: str | None
-
-
-@dataclass
-class AddRequests:
-    """Queue these requests, all or none; `accepted` resolves on the caller's loop."""
-
-    requests: list[ProcessedRequest]
-    streams: list[RequestStream]
-    accepted: asyncio.Future
-
-
-@dataclass
-class AbortRequests:
-    request_ids: list[str]
-
-
-@dataclass
-class AbortAll:
-    pass
-
-
-@dataclass
-class AddLoRA:
-    """Read a checked adapter into the engine's host cache; `done` resolves when it is
-    there (or with the error that kept it out)."""
-
-    lora_request: LoRARequest
-    done: asyncio.Future
-
-
-@dataclass
-class RemoveLoRA:
-    """Free an adapter's slot and host copy."""
-
-    lora_int_id: int
-
-
-@dataclass
-class TakeSnapshot:
-    """The engine's state between two steps (`LLMEngine.snapshot`), for the dashboard;
-    `done` resolves with it and with the seconds the engine thread spent on it."""
-
-    done: asyncio.Future
-
-
-@dataclass
-class ListenKVEvents:
-    """Send the prefix cache's changes to `stream`, from a snapshot taken now."""
-
-    stream: KVEventStream
-
-
-@dataclass
-class StopKVEvents:
-    stream: KVEventStream | None  # None: every stream (the server is draining)
-
-
-EngineOp = (
-    AddRequests
-    | AbortRequests
-    | AbortAll
-    | AddLoRA
-    | RemoveLoRA
-    | TakeSnapshot
-    | ListenKVEvents
-    | StopKVEvents
-)
-
-
-class KVEventStream:
-    """One listener's KV event batches (see pagoda.core.kv_events), as an async
-    iterator: first a snapshot of the prefix cache, then each step's changes. A
-    listener more than `MAX_PENDING` batches behind is dropped: its iteration ends,
-    and it should listen again (from a new snapshot). Only the owning loop reads it."""
-
-    MAX_PENDING = 1024
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.ended = False
-        self._items: deque[KVEventBatch] = deque()
-        self._ready = asyncio.Event()
-
-    def _put(self, batch: KVEventBatch | None) -> None:  # on self.loop; None: the end
-        if batch is None or len(self._items) >= self.MAX_PENDING:
-            self.ended = True
-            self._items.clear()
-        elif not self.ended:
-            self._items.append(batch)
-        self._ready.set()
-
-    def __aiter__(self) -> KVEventStream:
-        return self
-
-    async def __anext__(self) -> KVEventBatch:
-        while not self._items:
-            if self.ended:
-                raise StopAsyncIteration
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-
-class RequestStream:
-    """The outputs of one request, in order, as an async iterator.
-
-    Outputs are of the kind the request's params ask (`output_kind`). A reader
-    that falls behind gets what piled up as one output: deltas concatenated, or
-    the newest cumulative one. The last item has `finished=True` (finish_reason
-    "abort" when it was aborted). A request that failed alone raises
-    `RequestFailedError`; if the engine died, `EngineDeadError`. Only the owning
-    loop reads it.
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        loop: asyncio.AbstractEventLoop,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-        num_prompt_tokens: int = 0,
-    ) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.output_kind = output_kind
-        self.num_prompt_tokens = num_prompt_tokens
-        self.finished = False
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
-
-    def _put(self, item: RequestOutput | BaseException) -> None:  # on self.loop
-        self._items.append(item)
-        self._ready.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        await self._ready.wait()
-        self._ready.clear()
-        merged: RequestOutput | None = None
-        while self._items:
-            item = self._items[0]
-            if isinstance(item, BaseException) or item.error is not None:
-                if merged is not None:  # what came before the failure goes out first
-                    self._ready.set()
-                    return merged
-                self._items.popleft()
-                self.finished = True
-                if isinstance(item, BaseException):
-                    raise item
-                raise RequestFailedError(item.error, item.error_is_client)
-            self._items.popleft()
-            if merged is None or self.output_kind != RequestOutputKind.DELTA:
-                merged = item
-            else:
-                merged.add(item)
-        if merged.finished:
-            self.finished = True
-        return merged
 
 
 class AsyncEngine:
@@ -270,7 +96,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self.num_steps = 0
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._kv_listeners: list[KVEventStream] = []  # engine thread only
+        self._kv_listeners = KVEventListeners()  # engine thread only
         self._ids = itertools.count()
         self._processor_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-processor")
         self._model_name = model_name
@@ -287,8 +113,6 @@ class AsyncEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncEngine:
         return cls(lambda: LLMEngine.from_engine_args(engine_args), **kwargs)
-
-    # ---- facts about the engine (read-only, safe from any thread) -------------
 
     @property
     def model_name(self) -> str:
@@ -332,8 +156,6 @@ class AsyncEngine:
         with self._cond:
             return self._stats.num_requests_waiting + self._num_unseen_adds
 
-    # ---- requests -------------------------------------------------------------
-
     def check_capacity(self, num_new: int = 1) -> None:
         """Raise if `num_new` more requests cannot be accepted now."""
         if self._error is not None:
@@ -364,14 +186,8 @@ class AsyncEngine:
         InvalidRequestError (a ValueError naming the field) on bad input."""
         children, text = await self.run_in_processor(
             self.engine.processor.process,
-            request_id,
-            prompt,
-            params,
-            priority,
-            arrival_time,
-            lora_request,
-            trace_headers,
-        )
+            request_id, prompt, params, priority, arrival_time, lora_request, trace_headers,
+        )  # fmt: skip
         return ProcessedRequest(request_id, children, text)
 
     async def add_processed(self, requests: list[ProcessedRequest]) -> list[RequestStream]:
@@ -535,8 +351,6 @@ class AsyncEngine:
             self._ops.append(op)
             self._cond.notify()
 
-    # ---- the engine thread -----------------------------------------------------
-
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: threading.Event) -> None:
         try:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
@@ -578,7 +392,7 @@ class AsyncEngine:
                     self._cond.wait()
                 ops, self._ops = self._ops, []
                 stopping = self._stopping
-            sends: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any, Any]]] = {}
+            sends = Deliveries()
             num_adds = 0
             try:
                 for op in ops:
@@ -588,10 +402,9 @@ class AsyncEngine:
                     self.num_steps += 1
                     for output in outputs:
                         self._send_output(output, sends)
-                if self._kv_listeners:
-                    self._send_kv_events(sends)
+                self._kv_listeners.send(engine.kv_cache_manager.block_pool, sends)
             except BaseException:
-                _post(sends)  # what this round already decided goes out before the failure
+                sends.post()  # what this round already decided goes out before the failure
                 raise
             busy = engine.has_unfinished_requests()
             stats = engine.get_stats()
@@ -599,13 +412,13 @@ class AsyncEngine:
                 self._stats = stats
                 self._num_unfinished = engine.get_num_unfinished_requests()
                 self._num_unseen_adds -= num_adds
-            _post(sends)
+            sends.post()
             if stopping and not busy:
                 with self._cond:
                     if not self._ops:
                         return
 
-    def _apply(self, op: EngineOp, sends: dict) -> int:
+    def _apply(self, op: EngineOp, sends: Deliveries) -> int:
         """Apply one operation; returns the number of requests it tried to add."""
         if isinstance(op, AddRequests):
             error = None
@@ -622,8 +435,7 @@ class AsyncEngine:
             else:
                 for stream in op.streams:
                     self._streams[stream.request_id] = stream
-            loop = op.accepted.get_loop()
-            sends.setdefault(loop, []).append((_resolve, op.accepted, error))
+            sends.resolve(op.accepted, error)
             return len(op.requests)
         if isinstance(op, AddLoRA):
             error = None
@@ -631,7 +443,7 @@ class AsyncEngine:
                 self.engine.add_lora(op.lora_request)
             except Exception as e:
                 error = e
-            sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, error))
+            sends.resolve(op.done, error)
             return 0
         if isinstance(op, RemoveLoRA):
             self.engine.remove_lora(op.lora_int_id)
@@ -639,88 +451,46 @@ class AsyncEngine:
         if isinstance(op, TakeSnapshot):
             start = time.perf_counter()
             result = (self.engine.snapshot(), time.perf_counter() - start)
-            sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, result))
+            sends.resolve(op.done, result)
             return 0
-        if isinstance(op, ListenKVEvents):
-            snapshot = self.engine.kv_cache_manager.block_pool.start_kv_events()
-            self._send_kv_events(sends)  # what changed before it is in the snapshot
-            self._kv_listeners.append(op.stream)
-            sends.setdefault(op.stream.loop, []).append((KVEventStream._put, op.stream, snapshot))
-            return 0
-        if isinstance(op, StopKVEvents):
-            ended = self._kv_listeners if op.stream is None else [op.stream]
-            for stream in [s for s in ended if s in self._kv_listeners]:
-                self._kv_listeners.remove(stream)
-                sends.setdefault(stream.loop, []).append((KVEventStream._put, stream, None))
-            if not self._kv_listeners:
-                self.engine.kv_cache_manager.block_pool.stop_kv_events()
+        if isinstance(op, ListenKVEvents | StopKVEvents):
+            self._kv_listeners.apply(op, self.engine.kv_cache_manager.block_pool, sends)
             return 0
         ids = list(self._streams) if isinstance(op, AbortAll) else op.request_ids
         for output in self.engine.abort_request(ids):
             self._send_output(output, sends)
         return 0
 
-    def _send_output(self, output: RequestOutput, sends: dict) -> None:
+    def _send_output(self, output: RequestOutput, sends: Deliveries) -> None:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
         if output.finished:
             del self._streams[output.request_id]
-        sends.setdefault(stream.loop, []).append((RequestStream._put, stream, output))
-
-    def _send_kv_events(self, sends: dict) -> None:
-        batch = self.engine.kv_cache_manager.block_pool.take_kv_events()
-        if batch:
-            for stream in self._kv_listeners:
-                sends.setdefault(stream.loop, []).append((KVEventStream._put, stream, batch))
+        sends.put(stream, output)
 
     def _fail_all(self, error: BaseException) -> None:
-        sends: dict = {}
+        sends = Deliveries()
         with self._cond:
             ops, self._ops = self._ops, []
         for op in ops:
             if isinstance(op, AddRequests):
-                sends.setdefault(op.accepted.get_loop(), []).append((_resolve, op.accepted, error))
+                sends.resolve(op.accepted, error)
             elif isinstance(op, AddLoRA | TakeSnapshot):
-                sends.setdefault(op.done.get_loop(), []).append((_resolve, op.done, error))
+                sends.resolve(op.done, error)
             elif isinstance(op, ListenKVEvents):
-                self._kv_listeners.append(op.stream)
+                self._kv_listeners.streams.append(op.stream)
         for stream in self._streams.values():
-            sends.setdefault(stream.loop, []).append((RequestStream._put, stream, error))
+            sends.put(stream, error)
         self._streams.clear()
-        _post(sends)
+        sends.post()
         self._end_kv_listeners()
 
     def _end_kv_listeners(self) -> None:
         """The engine stopped: every KV event stream ends (their readers stop waiting)."""
         with self._cond:  # a listen queued after the engine's last round ends too
             ops, self._ops = self._ops, []
-        self._kv_listeners += [op.stream for op in ops if isinstance(op, ListenKVEvents)]
-        sends: dict = {}
-        for listener in self._kv_listeners:
-            sends.setdefault(listener.loop, []).append((KVEventStream._put, listener, None))
-        self._kv_listeners.clear()
-        _post(sends)
-
-
-def _resolve(future: asyncio.Future, outcome: Any) -> None:
-    """An exception fails the future; anything else is its result."""
-    if future.done():  # the caller gave up (and aborted)
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-
-
-def _post(sends: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any, Any]]]) -> None:
-    """From the engine thread: one callback per loop runs all of its deliveries."""
-    for loop, items in sends.items():
-        # A closed loop raises RuntimeError: nobody is listening there any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_deliver, items)
-
-
-def _deliver(items: list[tuple[Callable, Any, Any]]) -> None:
-    for fn, a, b in items:
-        fn(a, b)
+        self._kv_listeners.streams += [op.stream for op in ops if isinstance(op, ListenKVEvents)]
+        sends = Deliveries()
+        self._kv_listeners.end_all(sends)
+        sends.post()

@@ -46,7 +46,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__, envs
-from pagoda.engine.async_engine import AsyncEngine, EngineNotAcceptingError, QueueFullError
+from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.validation import TRACE_HEADERS
 from pagoda.entrypoints.openai.dashboard import DEFAULT_INTERVAL as DASHBOARD_INTERVAL
 from pagoda.entrypoints.openai.dashboard import DashboardFeed, dashboard_html
@@ -66,7 +66,12 @@ from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_engine import APIError, bad_request, from_invalid
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
-from pagoda.errors import EngineDeadError, InvalidRequestError
+from pagoda.errors import (
+    EngineDeadError,
+    EngineNotAcceptingError,
+    InvalidRequestError,
+    QueueFullError,
+)
 from pagoda.metrics import CONTENT_TYPE
 from pagoda.tracing import RequestLogger, RequestTracer
 

@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-from pagoda.engine.async_engine import RequestStream
+from pagoda.engine.messages import RequestStream
 from pagoda.engine.tools import (
     CLOSE,
     OPEN,

@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-from pagoda.engine.async_engine import RequestStream
+from pagoda.engine.messages import RequestStream
 from pagoda.engine.processor import PromptType
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,

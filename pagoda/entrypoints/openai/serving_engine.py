@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.checks import check_all_text
 from pagoda.core.structured_output import KINDS as STRUCTURED_KINDS
-from pagoda.engine.async_engine import AsyncEngine, ProcessedRequest, RequestStream
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.messages import ProcessedRequest, RequestStream
 from pagoda.engine.processor import PromptType
 from pagoda.entrypoints.openai.protocol import (
     CompletionLogprobs,
