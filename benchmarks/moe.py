@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from pagoda import LLMEngine, SamplingParams  # noqa: E402
 from pagoda.bench.report import machine_info  # noqa: E402
-from pagoda.config import EngineArgs  # noqa: E402
+from pagoda.engine_args import EngineArgs  # noqa: E402
 from pagoda.model_executor.layers import fused_moe  # noqa: E402
 from pagoda.ops import select_ops  # noqa: E402
 from tests.conftest import make_model  # noqa: E402  (the tests' tiny tokenizer)

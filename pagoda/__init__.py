@@ -1,7 +1,7 @@
 """pagoda: a high-throughput, memory-efficient inference and serving engine for LLMs."""
 
-from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine_args import EngineArgs
 from pagoda.entrypoints.llm import LLM
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, RequestOutput

@@ -32,7 +32,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pagoda.config import EngineArgs
 from pagoda.core.stats import EngineSnapshot, SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.messages import (
@@ -52,6 +51,7 @@ from pagoda.engine.messages import (
     TakeSnapshot,
 )
 from pagoda.engine.processor import PromptType
+from pagoda.engine_args import EngineArgs
 from pagoda.errors import EngineDeadError, EngineNotAcceptingError, QueueFullError
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics import EngineMetrics

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import torch
 
-from pagoda.config import EngineArgs
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
@@ -18,6 +17,7 @@ from pagoda.core.stats import EngineSnapshot, IterationStats, SchedulerStats
 from pagoda.core.structured_output import GrammarCompiler
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor, PromptType
+from pagoda.engine_args import EngineArgs
 from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.lora.request import LoRARequest
 from pagoda.model_executor.model_loader import load_tokenizer
@@ -35,15 +35,15 @@ _MAX_FAILED_STEPS = 3
 
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs) -> None:
-        if engine_args.num_threads is not None:
-            torch.set_num_threads(engine_args.num_threads)
         self.engine_args = engine_args
-        self.model_config = model_config = engine_args.create_model_config()
-        self.cache_config = cache_config = engine_args.create_cache_config()
-        self.lora_config = engine_args.create_lora_config()
+        self.config = config = engine_args.create_engine_config()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = model_config = config.model
+        self.cache_config = cache_config = config.cache
+        self.lora_config = config.lora
+        self.parallel_config = config.parallel
         self.tokenizer = load_tokenizer(model_config.path, model_config.is_gguf)
-        draft_model_config = engine_args.create_draft_model_config(model_config)
-        self.parallel_config = engine_args.create_parallel_config()
         if self.parallel_config.world_size > 1:  # the model split across worker processes
             if self.parallel_config.distributed_executor_backend == "ray":
                 from pagoda.worker.ray_executor import RayExecutor
@@ -51,31 +51,29 @@ class LLMEngine:
                 self.model_runner = RayExecutor(
                     model_config,
                     cache_config,
-                    draft_model_config,
+                    config.draft_model,
                     self.parallel_config,
-                    engine_args.num_threads,
+                    config.num_threads,
                 )
             else:
                 from pagoda.worker.executor import MultiprocExecutor
 
                 self.model_runner = MultiprocExecutor(
-                    model_config, cache_config, draft_model_config, self.parallel_config
+                    model_config, cache_config, config.draft_model, self.parallel_config
                 )
         else:
             self.model_runner = ModelRunner(
-                model_config,
-                cache_config,
-                self.lora_config,
-                draft_model_config,
-                device_config=engine_args.create_device_config(),
+                model_config, cache_config, self.lora_config, config.draft_model, config.device
             )
         try:
-            self._build_around_runner(engine_args, model_config, cache_config)
+            self._build_around_runner()
         except BaseException:
             self.shutdown()  # no worker process outlives a failed start
             raise
 
-    def _build_around_runner(self, engine_args: EngineArgs, model_config, cache_config) -> None:
+    def _build_around_runner(self) -> None:
+        config = self.config
+        model_config, cache_config = config.model, config.cache
         num_blocks = self.model_runner.num_blocks
         capacity = num_blocks * cache_config.block_size
         max_model_len = model_config.max_model_len
@@ -84,7 +82,7 @@ class LLMEngine:
         # the window go back), its window and one step's chunk.
         needed = max_model_len
         if window is not None:
-            step = min(engine_args.max_num_batched_tokens, max_model_len)
+            step = min(config.scheduler.max_num_batched_tokens, max_model_len)
             needed = min(max_model_len, window + step + 2 * cache_config.block_size)
         if needed > capacity:
             if not model_config.max_model_len_is_default:
@@ -102,7 +100,7 @@ class LLMEngine:
             )
             max_model_len = capacity
         self.max_model_len = max_model_len
-        self.scheduler_config = engine_args.create_scheduler_config(max_model_len)
+        self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache_config.block_size,
@@ -128,7 +126,7 @@ class LLMEngine:
             self.tokenizer,
             model_config,
             max_model_len,
-            engine_args.create_request_limits(),
+            config.limits,
             self.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)

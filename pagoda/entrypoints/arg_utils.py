@@ -9,7 +9,7 @@ import json
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Every `EngineArgs` field as a --flag (vLLM's spelling), defaults from the dataclass."""
-    from pagoda.config import EngineArgs
+    from pagoda.engine_args import EngineArgs
 
     defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace):
-    from pagoda.config import EngineArgs
+    from pagoda.engine_args import EngineArgs
 
     kwargs = {
         f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)

@@ -219,7 +219,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.data_parallel_size != 1:
         from pagoda.entrypoints.data_parallel import run_data_parallel
 
-        engine_args._verify()
+        engine_args.verify()
         return run_data_parallel(ns, ns.argv)
     return run_server(ns, engine_args)
 

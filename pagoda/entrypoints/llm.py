@@ -10,9 +10,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
+from pagoda.engine_args import EngineArgs
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams

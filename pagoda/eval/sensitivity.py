@@ -86,7 +86,7 @@ def analyze(
     stride: int = 256,
     progress=print,
 ) -> SensitivityReport:
-    from pagoda.config import EngineArgs
+    from pagoda.engine_args import EngineArgs
 
     quantization = engine_kwargs.get("quantization", "auto")
     model_config = EngineArgs(**engine_kwargs).create_model_config()
