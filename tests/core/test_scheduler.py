@@ -28,9 +28,9 @@ from pagoda.core.sched_output import (
 from pagoda.core.scheduler import Scheduler
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
+from tests.helpers import FIRST_TOKEN, FakeRunner
 
 BS = 4
-FIRST_TOKEN = 1000
 
 
 def make_scheduler(
@@ -61,76 +61,6 @@ def make_request(
 ) -> Request:
     sampling_params = dataclasses.replace(SamplingParams(**params), eos_token_ids=eos_token_ids)
     return Request(request_id, prompt_token_ids, sampling_params, priority, arrival_time)
-
-
-class FakeRunner:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.block_size = scheduler.kv_cache_manager.block_size
-        self.kv: dict[int, tuple[int, ...]] = {}  # slot -> token prefix ending there
-        self.host_kv: dict[int, tuple[int, ...] | None] = {}  # the same, for swapped-out blocks
-
-    def _slot(self, block_ids: list[int], position: int) -> int:
-        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
-
-    def target(self, item, j: int) -> int:
-        """The token the fake model samples at row j of `item` (j > 0: after drafts)."""
-        return FIRST_TOKEN + item.num_output_tokens + j
-
-    def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        requests = self.scheduler.requests
-        ids = [item.request_id for item in out.scheduled]
-        assert len(set(ids)) == len(ids)
-        assert out.num_batched_tokens == sum(len(item.token_ids) for item in out.scheduled)
-        assert out.num_batched_tokens <= self.scheduler.config.max_num_batched_tokens
-        # Block moves first, in the runner's order: swap-outs, swap-ins, copies.
-        bs = self.block_size
-        for device, host in out.blocks_to_swap_out:
-            for offset in range(bs):
-                self.host_kv[host * bs + offset] = self.kv.get(device * bs + offset)
-        for host, device in out.blocks_to_swap_in:
-            for offset in range(bs):
-                self.kv[device * bs + offset] = self.host_kv.get(host * bs + offset)
-        for src, dst in out.blocks_to_copy:
-            for offset in range(bs):
-                self.kv[dst * bs + offset] = self.kv.get(src * bs + offset)
-        # Every layer writes the step's new K/V before any attention reads. Drafts are
-        # written like known tokens: the context of a draft includes the drafts before it.
-        contexts = {}
-        for item in out.scheduled:
-            request = requests[item.request_id]
-            start, n = item.num_computed_tokens, len(item.token_ids)
-            known = n - item.num_draft_tokens
-            assert known > 0 and (item.num_draft_tokens == 0 or known == 1)
-            assert start == request.num_computed_tokens
-            assert item.token_ids[:known] == request.all_token_ids[start : start + known]
-            assert item.block_ids == self.scheduler.kv_cache_manager.get_block_ids(item.request_id)
-            assert len(item.block_ids) >= cdiv(start + n, self.block_size)
-            assert item.num_output_tokens == request.num_output_tokens
-            samples = start + known == request.num_tokens
-            assert item.sampling_params is (request.sampling_params if samples else None)
-            context = contexts[item.request_id] = request.all_token_ids[:start] + item.token_ids
-            for position in range(start, start + n):
-                slot = self._slot(item.block_ids, position)
-                self.kv[slot] = tuple(context[: position + 1])
-        for item in out.scheduled:
-            context = contexts[item.request_id]
-            for position in range(item.num_computed_tokens + len(item.token_ids)):
-                slot = self._slot(item.block_ids, position)
-                assert self.kv.get(slot) == tuple(context[: position + 1]), (
-                    f"{item.request_id}: wrong K/V at position {position} (slot {slot})"
-                )
-        sampling = [item for item in out.scheduled if item.sampling_params is not None]
-        sampled = []
-        for item in sampling:  # drafts kept while they are what the model samples
-            drafts = item.draft_token_ids
-            tokens = [self.target(item, 0)]
-            while len(tokens) <= len(drafts) and drafts[len(tokens) - 1] == tokens[-1]:
-                tokens.append(self.target(item, len(tokens)))
-            sampled.append(tokens)
-        return ModelRunnerOutput(
-            request_ids=[item.request_id for item in sampling], sampled_token_ids=sampled
-        )
 
 
 class Driver:

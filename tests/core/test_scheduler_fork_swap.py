@@ -20,7 +20,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
-from tests.test_scheduler import FakeRunner
+from tests.helpers import FakeRunner
 
 BS = 4
 

@@ -11,7 +11,7 @@ from pagoda import LLM, EngineArgs, SamplingParams
 from pagoda.core.stats import KVCacheStats, SchedulerStats
 from pagoda.engine.async_engine import AsyncEngine, EngineNotAcceptingError, QueueFullError
 from pagoda.metrics import EngineMetrics
-from tests.conftest import tiny_prompts
+from tests.helpers import tiny_prompts
 
 
 def _args(folder: str) -> EngineArgs:

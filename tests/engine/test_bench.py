@@ -23,7 +23,7 @@ from pagoda.bench.workloads import (
     make_workload,
 )
 from pagoda.entrypoints.cli import main
-from tests.test_server_utils import RemoteServer, free_port
+from tests.helpers import RemoteServer, free_port
 
 KV_BYTES = str(16 << 20)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
-from tests.conftest import tiny_prompts
+from tests.helpers import tiny_prompts
 
 
 @functools.cache

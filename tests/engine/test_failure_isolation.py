@@ -19,10 +19,8 @@ from pagoda import EngineArgs, LLMEngine, SamplingParams
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.entrypoints.openai.api_server import build_app
 from pagoda.errors import EngineDeadError, RequestFailedError
-from pagoda.sample import sampler
 from pagoda.sampling_params import RequestOutputKind
-from tests.conftest import tiny_prompts
-from tests.test_server_utils import ROOT, free_port
+from tests.helpers import ROOT, fail_sampling, finish_all, free_port, tiny_prompts
 
 FINAL = RequestOutputKind.FINAL_ONLY
 
@@ -36,30 +34,7 @@ def _engine(folder: str) -> LLMEngine:
 def _run(engine: LLMEngine, prompts, params) -> dict:
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    return _finish(engine)
-
-
-def _finish(engine: LLMEngine) -> dict:
-    """Step until nothing is unfinished; each request's final output by id."""
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
-
-
-def _fail_sampling(monkeypatch, when) -> None:
-    """Make building the sampling tensors raise whenever `when(request)` holds for a
-    request in the batch (the fault sits in batched code: the engine must find whose)."""
-    real = sampler.SamplingTensors.from_requests.__func__
-
-    def faulty(cls, reqs, vocab_size):
-        if any(when(r) for r in reqs):
-            raise RuntimeError("injected sampling fault")
-        return real(cls, reqs, vocab_size)
-
-    monkeypatch.setattr(sampler.SamplingTensors, "from_requests", classmethod(faulty))
+    return finish_all(engine)
 
 
 class _Recorder:
@@ -79,7 +54,7 @@ def test_one_failing_request_of_sixteen_fails_alone(tiny_llama, monkeypatch):
     recorder = _Recorder()
     engine.stat_loggers.append(recorder)
     victim = "7"
-    _fail_sampling(monkeypatch, lambda r: r.request_id == victim and r.num_output_tokens == 3)
+    fail_sampling(monkeypatch, lambda r: r.request_id == victim and r.num_output_tokens == 3)
     finals = _run(engine, prompts, params)
 
     assert set(finals) == {str(i) for i in range(16)}
@@ -109,7 +84,7 @@ def test_one_failing_request_of_sixteen_fails_alone(tiny_llama, monkeypatch):
 def test_a_failing_child_ends_its_whole_request(tiny_llama, monkeypatch):
     """n=3: one child fails, so the request fails; its siblings are freed too."""
     engine = _engine(tiny_llama)
-    _fail_sampling(monkeypatch, lambda r: r.request_id == "x#1" and r.num_output_tokens == 2)
+    fail_sampling(monkeypatch, lambda r: r.request_id == "x#1" and r.num_output_tokens == 2)
     engine.add_request("x", "Hello", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
     engine.add_request("y", "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     finals = {}
@@ -127,7 +102,7 @@ def test_a_lone_request_with_n_completions_fails_alone(tiny_llama, monkeypatch):
     """One request (n = 2) whose sampling fails is one request failing, not "every
     request of the step": the engine goes on."""
     engine = _engine(tiny_llama)
-    _fail_sampling(monkeypatch, lambda r: r.request_id.startswith("pair"))
+    fail_sampling(monkeypatch, lambda r: r.request_id.startswith("pair"))
     engine.add_request("pair", "Hello", SamplingParams(n=2, max_tokens=4))
     outs = [o for _ in range(3) for o in engine.step()]
     assert outs[-1].finished and outs[-1].error is not None
@@ -174,7 +149,7 @@ def test_blocks_of_a_failed_step_are_not_served_from_the_prefix_cache(tiny_llama
 
 def test_a_fault_every_request_hits_stops_the_engine(tiny_llama, monkeypatch):
     engine = _engine(tiny_llama)
-    _fail_sampling(monkeypatch, lambda r: True)
+    fail_sampling(monkeypatch, lambda r: True)
     for i in range(3):
         engine.add_request(str(i), "Hello", SamplingParams(max_tokens=4))
     with pytest.raises(EngineDeadError, match="every request"):
@@ -197,7 +172,7 @@ def test_async_engine_failure_and_death(tiny_llama, monkeypatch):
         return await asyncio.gather(collect("ok"), collect("bad"), return_exceptions=True)
 
     try:
-        _fail_sampling(monkeypatch, lambda r: r.request_id == "bad" and r.num_output_tokens == 1)
+        fail_sampling(monkeypatch, lambda r: r.request_id == "bad" and r.num_output_tokens == 1)
         ok, bad = asyncio.run(both())
         assert isinstance(bad, RequestFailedError) and "injected" in str(bad)
         assert ok[-1].finished and len(ok[-1].outputs[0].token_ids) == 6
@@ -205,7 +180,7 @@ def test_async_engine_failure_and_death(tiny_llama, monkeypatch):
 
         # A fault that hits whatever runs: lone requests fail until the engine gives up
         # (a few steps in a row), then every stream ends with EngineDeadError.
-        _fail_sampling(monkeypatch, lambda r: True)
+        fail_sampling(monkeypatch, lambda r: True)
         errors = []
         for i in range(5):
             try:

@@ -10,8 +10,6 @@ attention only, MLP only, one layer only), alpha (alpha_pattern, rsLoRA). PEFT's
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import shutil
 
 import pytest
@@ -19,40 +17,17 @@ import torch
 
 from pagoda import LLM, EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from pagoda.errors import InvalidRequestError
-from tests.conftest import make_model, tiny_prompts
+from tests.helpers import (
+    ADAPTERS,
+    QUESTIONS,
+    broken_copy,
+    load_hf,
+    make_adapter,
+    make_model,
+    tiny_prompts,
+)
 
 MAX_TOKENS = 16
-ADAPTERS = {
-    "all8": dict(r=8, lora_alpha=16, target_modules="all-linear", rank_pattern={"k_proj": 4}),
-    "qv4rs": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
-    "mlp16": dict(
-        r=16,
-        lora_alpha=32,
-        target_modules=["gate_proj", "up_proj", "down_proj"],
-        alpha_pattern={"down_proj": 8},
-    ),
-    "ok2last": dict(
-        r=2, lora_alpha=4, target_modules=["o_proj", "k_proj"], layers_to_transform=[1]
-    ),
-}
-
-
-def make_adapter(base_folder: str, folder: str, seed: int, scale: float = 1.0, **config) -> str:
-    """Save a PEFT LoRA adapter for the model in `base_folder` (A and B random; B
-    times `scale`) into `folder`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **config))
-    if scale != 1.0:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.mul_(scale)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -289,52 +264,6 @@ def test_sampling_n_and_speculation_under_an_adapter(tiny_llama, adapters, refer
 
 
 # ---- bad adapters and bad requests -------------------------------------------------------
-
-
-def edit_config(folder: str, **changes) -> None:
-    path = os.path.join(folder, "adapter_config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(path, "w") as f:
-        json.dump(config, f)
-
-
-def broken_copy(src: str, dst: str, how: str) -> str:
-    shutil.copytree(src, dst)
-    weights = os.path.join(dst, "adapter_model.safetensors")
-    if how == "no_config":
-        os.remove(os.path.join(dst, "adapter_config.json"))
-    elif how == "no_weights":
-        os.remove(weights)
-    elif how == "bad_json":
-        with open(os.path.join(dst, "adapter_config.json"), "w") as f:
-            f.write("{not json")
-    elif how == "truncated":
-        with open(weights, "r+b") as f:
-            f.truncate(100)
-    elif how == "dora":
-        edit_config(dst, use_dora=True)
-    elif how == "bias":
-        edit_config(dst, bias="all")
-    elif how == "modules_to_save":
-        edit_config(dst, modules_to_save=["lm_head"])
-    elif how == "rank_too_big":
-        edit_config(dst, r=64)
-    elif how == "rank_mismatch":
-        edit_config(dst, r=4, rank_pattern={})  # the file holds rank 8
-    elif how == "not_lora":
-        edit_config(dst, peft_type="PREFIX_TUNING")
-    elif how in ("extra_weight", "missing_b"):
-        from safetensors.torch import load_file, save_file
-
-        state = load_file(weights)
-        if how == "extra_weight":
-            state["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
-        else:
-            del state["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
-        save_file(state, weights)
-    return dst
 
 
 @pytest.mark.parametrize(
@@ -679,8 +608,6 @@ def test_smollm2_adapters_match_peft(gguf_path, tmp_path):
     with two PEFT adapters and the base model in one batch, against transformers on the
     dequantized file with PEFT: token for token."""
     from peft import LoraConfig, get_peft_model
-
-    from tests.test_smollm2 import QUESTIONS, load_hf
 
     hf = load_hf(gguf_path, torch.float32)
     torch.manual_seed(2)

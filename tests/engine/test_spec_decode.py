@@ -16,16 +16,17 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.config import EngineArgs, SpeculativeConfig
+from pagoda.config import SpeculativeConfig
 from pagoda.core.ngram import propose_ngram
-from tests.conftest import tiny_prompts
-
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 4,
-    "prompt_lookup_min": 1,  # a random model rarely repeats longer runs
-    "disable_by_batch_size": 64,
-}
+from pagoda.engine_args import EngineArgs
+from tests.helpers import (
+    NGRAM,
+    RemoteServer,
+    assert_both_paths,
+    completions,
+    spec_engine,
+    tiny_prompts,
+)
 
 
 def test_propose_ngram():
@@ -95,38 +96,14 @@ def repetitive_prompts(tokenizer, n: int, seed: int = 1) -> list[list[int]]:
     return [p[:20] + p[:12] + p[20:30] + p[:8] for p in tiny_prompts(tokenizer, n, seed)]
 
 
-def engine(tiny_llama, spec=None, **kwargs) -> LLM:
-    return LLM(
-        tiny_llama,
-        dtype="float32",
-        kv_cache_memory_bytes=1 << 22,
-        speculative_config=spec,
-        **kwargs,
-    )
-
-
-def completions(llm: LLM, prompts, params) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [c.token_ids for o in outs for c in o.outputs]
-
-
-def assert_both_paths(llm: LLM) -> None:
-    s = llm.llm_engine.get_stats().spec_decoding
-    assert s.num_drafts > 0
-    assert 0 < s.num_accepted_tokens < s.num_draft_tokens, "need accepted and rejected drafts"
-    assert s.num_emitted_tokens == s.num_accepted_tokens + s.num_drafts
-    assert sum(s.num_drafted_per_pos) == s.num_draft_tokens
-    assert sum(s.num_accepted_per_pos) == s.num_accepted_tokens
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_greedy_matches_no_speculation(tiny_llama, oracle, batch):
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), batch, seed=1)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = completions(plain, prompts, params)
     oracle.expect(prompts, want)
-    spec = engine(tiny_llama, NGRAM)
+    spec = spec_engine(tiny_llama, NGRAM)
     assert completions(spec, prompts, params) == want
     assert_both_paths(spec)
     assert spec.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0  # nothing leaked
@@ -134,7 +111,7 @@ def test_greedy_matches_no_speculation(tiny_llama, oracle, batch):
 
 def test_seeded_sampling_matches_no_speculation(tiny_llama, oracle):
     """Penalties, min_tokens, bad words and stop strings see the drafts as output so far."""
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     tokenizer = plain.get_tokenizer()
     prompts = tiny_prompts(tokenizer, 6, seed=2)
     params = [
@@ -160,7 +137,7 @@ def test_seeded_sampling_matches_no_speculation(tiny_llama, oracle):
     )
     want = plain.generate(inputs, params, use_tqdm=False)
     oracle.expect(prompts, [o.outputs[0].token_ids for o in want])
-    spec = engine(tiny_llama, NGRAM)
+    spec = spec_engine(tiny_llama, NGRAM)
     got = spec.generate(inputs, params, use_tqdm=False)
     for a, b in zip(got, want, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -170,13 +147,13 @@ def test_seeded_sampling_matches_no_speculation(tiny_llama, oracle):
 
 
 def test_logprobs_match_no_speculation(tiny_llama, oracle):
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 2, seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     want = plain.generate(inputs, params, use_tqdm=False)
     oracle.expect(prompts, [o.outputs[0].token_ids for o in want])
-    spec = engine(tiny_llama, NGRAM)
+    spec = spec_engine(tiny_llama, NGRAM)
     got = spec.generate(inputs, params, use_tqdm=False)
     for a, b in zip(got, want, strict=True):
         ca, cb = a.outputs[0], b.outputs[0]
@@ -193,7 +170,7 @@ def test_logprobs_match_no_speculation(tiny_llama, oracle):
 def test_preemption_mid_speculation_gives_the_same_output(tiny_llama, oracle):
     """A cache too small for the batch: requests are preempted (recomputed, or swapped)
     between speculative steps and still give the output of a run without either."""
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 6, seed=4)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     want = completions(plain, prompts, params)
@@ -217,12 +194,12 @@ def test_preemption_mid_speculation_gives_the_same_output(tiny_llama, oracle):
 def test_parallel_sampling_and_prefix_caching(tiny_llama, oracle):
     """n > 1 (forked blocks, copy-on-write) and a second pass served from the prefix
     cache: rejected drafts never become findable as cached blocks."""
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 3, seed=5)
     params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=30, ignore_eos=True)
     want = completions(plain, prompts, params)
     oracle.expect([p for p in prompts for _ in range(3)], want)
-    spec = engine(tiny_llama, NGRAM)
+    spec = spec_engine(tiny_llama, NGRAM)
     assert completions(spec, prompts, params) == want
     # Again, with the prompts and the first outputs as new prompts: cache hits.
     again = [p + c[:17] for p, c in zip(prompts, want[::3], strict=True)]
@@ -235,15 +212,15 @@ def test_parallel_sampling_and_prefix_caching(tiny_llama, oracle):
 
 
 def test_off_for_large_batches(tiny_llama, oracle):
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 4, seed=6)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = completions(plain, prompts, params)
     oracle.expect(prompts, want)
-    spec = engine(tiny_llama, {**NGRAM, "disable_by_batch_size": 5})
+    spec = spec_engine(tiny_llama, {**NGRAM, "disable_by_batch_size": 5})
     assert completions(spec, prompts, params) == want
     assert spec.llm_engine.get_stats().spec_decoding.num_drafts > 0
-    off = engine(tiny_llama, {**NGRAM, "disable_by_batch_size": 4})
+    off = spec_engine(tiny_llama, {**NGRAM, "disable_by_batch_size": 4})
     assert completions(off, prompts, params) == want
     assert off.llm_engine.get_stats().spec_decoding.num_drafts == 0
 
@@ -267,7 +244,7 @@ def test_sampling_keeps_the_target_distribution(tiny_llama, monkeypatch, method)
         return (logits / temperature).softmax(-1)
 
     spec = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 2}
-    llm = engine(tiny_llama, {**spec, "disable_by_batch_size": 1000}, max_num_seqs=256, seed=3)
+    llm = spec_engine(tiny_llama, {**spec, "disable_by_batch_size": 1000}, max_num_seqs=256, seed=3)
     prompt = tiny_prompts(llm.get_tokenizer(), 1, seed=7)[0]
     first = int(probs(prompt).argmax())
     p1 = probs(prompt + [first])
@@ -325,9 +302,7 @@ def test_server_speculative_config_and_metrics(tiny_llama):
 
     import httpx
 
-    from tests.test_server_utils import RemoteServer
-
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompt = tiny_prompts(plain.get_tokenizer(), 1, seed=8)[0]
     want = completions(plain, [prompt], SamplingParams(temperature=0, max_tokens=40))[0]
     spec = json.dumps(NGRAM)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
-from pagoda.config import EngineArgs
-from tests.conftest import make_model, tiny_prompts
-from tests.test_spec_decode import assert_both_paths, completions, engine
+from pagoda.engine_args import EngineArgs
+from tests.helpers import assert_both_paths, completions, make_model, spec_engine, tiny_prompts
 
 DRAFT = {
     "method": "draft",
@@ -42,24 +41,24 @@ def test_bad_draft_config(spec, message):
 def test_draft_model_must_fit_the_target(tiny_llama, tiny_llava, tmp_path):
     other_vocab = make_model(str(tmp_path / "v"), "llama", vocab_size=512)
     with pytest.raises(ValueError, match="speculative_config.model .* vocabulary"):
-        engine(tiny_llama, {"method": "draft", "model": other_vocab})
+        spec_engine(tiny_llama, {"method": "draft", "model": other_vocab})
     short = make_model(str(tmp_path / "s"), "llama", max_position_embeddings=64)
     with pytest.raises(ValueError, match="speculative_config.model .* positions"):
-        engine(tiny_llama, {"method": "draft", "model": short})
+        spec_engine(tiny_llama, {"method": "draft", "model": short})
     with pytest.raises(ValueError, match="vision-language"):
-        engine(tiny_llava, {"method": "draft"})
+        spec_engine(tiny_llava, {"method": "draft"})
     # vLLM's name for the method.
-    llm = engine(tiny_llama, {"method": "draft_model", "model": tiny_llama})
+    llm = spec_engine(tiny_llama, {"method": "draft_model", "model": tiny_llama})
     assert llm.llm_engine.model_runner.drafter is not None
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_matches_no_speculation(tiny_llama, batch):
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), batch, seed=1)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = completions(plain, prompts, params)
-    spec = engine(tiny_llama, DRAFT)
+    spec = spec_engine(tiny_llama, DRAFT)
     assert completions(spec, prompts, params) == want
     assert_both_paths(spec)
     assert spec.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
@@ -68,17 +67,17 @@ def test_greedy_matches_no_speculation(tiny_llama, batch):
 def test_a_different_draft_model(tiny_llama, tiny_models):
     """Another random model (same tokenizer): its drafts are mostly wrong, the output
     is the target's all the same."""
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 3, seed=2)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    spec = engine(tiny_llama, {**DRAFT, "model": tiny_models["qwen2"], "quantization": "auto"})
+    spec = spec_engine(tiny_llama, {**DRAFT, "model": tiny_models["qwen2"], "quantization": "auto"})
     assert completions(spec, prompts, params) == completions(plain, prompts, params)
     stats = spec.llm_engine.get_stats().spec_decoding
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.5
 
 
 def test_seeded_sampling_and_logprobs_match_no_speculation(tiny_llama):
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 4, seed=3)
     params = [
         SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=30, ignore_eos=True),
@@ -90,7 +89,7 @@ def test_seeded_sampling_and_logprobs_match_no_speculation(tiny_llama):
     ]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     want = plain.generate(inputs, params, use_tqdm=False)
-    spec = engine(tiny_llama, DRAFT)
+    spec = spec_engine(tiny_llama, DRAFT)
     got = spec.generate(inputs, params, use_tqdm=False)
     for a, b in zip(got, want, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -105,7 +104,7 @@ def test_seeded_sampling_and_logprobs_match_no_speculation(tiny_llama):
 def test_preemption_and_swap_mid_speculation(tiny_llama):
     """A cache too small for the batch: requests are preempted (recomputed or swapped;
     either way the draft starts over) between speculative steps."""
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 6, seed=4)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     want = completions(plain, prompts, params)
@@ -129,11 +128,11 @@ def test_preemption_and_swap_mid_speculation(tiny_llama):
 def test_parallel_sampling_prefix_caching_and_grammar(tiny_llama):
     """n > 1 (forked blocks, copy-on-write), a second pass from the prefix cache, and
     a request under a grammar (not drafted for) in the same batch."""
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 3, seed=5)
     params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=30, ignore_eos=True)
     want = completions(plain, prompts, params)
-    spec = engine(tiny_llama, DRAFT)
+    spec = spec_engine(tiny_llama, DRAFT)
     assert completions(spec, prompts, params) == want
     again = [p + c[:17] for p, c in zip(prompts, want[::3], strict=True)]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -165,14 +164,14 @@ def test_smollm2_q4_drafts_for_its_bf16_expansion(gguf_path):
 def test_long_catch_ups_run_in_chunks(tiny_llama, monkeypatch):
     """A sequence new to the draft is computed a chunk per forward: the drafts, and so
     what verification accepts, are those of one forward over it."""
-    plain = engine(tiny_llama)
+    plain = spec_engine(tiny_llama)
     prompts = tiny_prompts(plain.get_tokenizer(), 4, seed=6)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = completions(plain, prompts, params)
     runs = {}
     for chunk in (2048, 16):
         monkeypatch.setattr("pagoda.worker.draft_model.DRAFT_CHUNK_TOKENS", chunk)
-        llm = engine(tiny_llama, DRAFT)
+        llm = spec_engine(tiny_llama, DRAFT)
         forwards = runs[chunk] = []
         llm.llm_engine.model_runner.drafter.model.register_forward_hook(
             lambda _m, args, _out, forwards=forwards: forwards.append(len(args[0]))

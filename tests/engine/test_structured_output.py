@@ -14,8 +14,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.core.structured_output import GrammarCompileError, GrammarCompiler, build_grammar
-from tests.conftest import tiny_prompts
-from tests.test_spec_decode import NGRAM, completions, engine
+from tests.helpers import NGRAM, completions, spec_engine, tiny_prompts
 
 PERSON = {
     "type": "object",
@@ -173,7 +172,7 @@ def test_speculative_drafts_keep_to_the_grammar(tiny_llama, llm, draft_oracle):
     )
     want = completions(llm, prompts, params)
     draft_oracle += list(zip(prompts, want, strict=True))
-    spec = engine(tiny_llama, NGRAM)
+    spec = spec_engine(tiny_llama, NGRAM)
     assert completions(spec, prompts, params) == want
     stats = spec.llm_engine.get_stats().spec_decoding
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

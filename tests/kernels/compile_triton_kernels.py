@@ -2,11 +2,11 @@
 on the CPU: Triton's own front end and its bundled ptxas, no GPU or driver needed.
 What the interpreter (TRITON_INTERPRET=1) lets through and a GPU would not (tile
 shapes tl.dot refuses, non-power-of-2 aranges, type errors in the lowering, register
-spills) fails here. Run in a process of its own, without the
-interpreter (tests/test_triton_kernels.py does); prints one line per kernel and
-exits 1 if any failed.
+spills) fails here. Run in a process of its own, without the interpreter
+(tests/kernels/test_triton_kernels.py does); prints one line per kernel and exits 1 if
+any failed.
 
-    python tests/compile_triton_kernels.py
+    python tests/kernels/compile_triton_kernels.py
 """
 
 from __future__ import annotations

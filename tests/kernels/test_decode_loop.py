@@ -9,7 +9,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.ops import cpu
-from tests.conftest import tiny_prompts
+from tests.helpers import make_model, tiny_prompts
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the C++ kernels do not build here")
 
@@ -70,7 +70,6 @@ def test_not_built_where_it_cannot_run_as_eager(tiny_llama):
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory) -> dict[str, str]:
-    from tests.conftest import make_model
 
     root = tmp_path_factory.mktemp("moe-loop")
     return {

@@ -2,7 +2,7 @@
 on the same weights, with CUDA graphs and without; SmolLM2 in bf16 by greedy agreement;
 the KV cache sized from gpu_memory_utilization; no block leaked. Skipped without CUDA
 (benchmarks/gpu_check.sh runs them where a GPU is lent); the Triton kernels under them
-are tested on the CPU too (tests/test_triton_kernels.py, in Triton's interpreter)."""
+are tested on the CPU too (tests/kernels/test_triton_kernels.py, in Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,16 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from tests.conftest import agreement_with_hf_steps, tiny_prompts
-from tests.test_correctness import MAX_TOKENS, hf_greedy, pagoda_greedy
-from tests.test_kv_features import _swap_run
-from tests.test_smollm2 import QUESTIONS, load_hf
+from tests.helpers import (
+    MAX_TOKENS,
+    QUESTIONS,
+    agreement_with_hf_steps,
+    hf_greedy,
+    load_hf,
+    pagoda_greedy,
+    swap_run,
+    tiny_prompts,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,7 +65,7 @@ def test_cuda_graphs_equal_eager_under_pressure(tiny_llama):
 def test_swap_preemption_on_the_gpu(tiny_llama):
     """Swap-outs copied on the side stream while steps compute, swapped back in: HF's
     greedy tokens, and every device and host block comes back."""
-    llm = _swap_run(tiny_llama, host_blocks=64, device="cuda")
+    llm = swap_run(tiny_llama, host_blocks=64, device="cuda")
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions_swap > 0 and stats.kv_cache.num_blocks_used == 0
     assert llm.llm_engine.kv_cache_manager.host_pool.num_free_blocks == 64

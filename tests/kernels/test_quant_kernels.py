@@ -23,6 +23,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from pagoda.model_executor.quantization import FORMATS, OFFSETS, QuantizedWeight, from_gguf
 from pagoda.ops import TORCH_OPS, cpu
+from tests.helpers import random_blocks
 
 GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
         "q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0,
@@ -64,31 +65,6 @@ def test_repacked_blocks_dequantize_as_gguf_does(fmt):
     assert qw.nbytes == size * 7 * 3
     got = TORCH_OPS.dequantize(qw, torch.float32).double().numpy()
     np.testing.assert_array_equal(got, dense)
-
-
-_FP16_FIELDS = {"Q8_0": (0, 1), "Q4_0": (0, 1), "Q4_1": (0, 2), "Q5_0": (0, 1), "Q5_1": (0, 2),
-                "Q4_K": (0, 2), "Q5_K": (0, 2),
-                "IQ4_XS": (0, 1), "Q6_K": (-2, 1), "Q3_K": (-2, 1), "Q2_K": (-4, 2)}  # fmt: skip
-_MID_CODE = {"Q4_1": 7.5, "Q5_1": 15.5, "Q4_K": 7.5, "Q5_K": 15.5, "Q2_K": 1.5}
-
-
-def random_blocks(type_name: str, rows: int, k: int, seed: int, scale: float = 0.01) -> np.ndarray:
-    """Raw GGUF blocks of any type: random bytes (every bit pattern is a valid block),
-    with the fp16 scales set to small finite values (minimums centring the codes)."""
-    from gguf import GGML_QUANT_SIZES
-
-    block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    g = np.random.default_rng(seed)
-    raw = g.integers(0, 256, (rows, k // block_weights, block_bytes), dtype=np.uint8)
-    start, count = _FP16_FIELDS[type_name]  # byte offset and number of fp16 scales
-    halves = g.standard_normal((rows, k // block_weights, count)) * scale
-    if count == 2:  # a minimum (or K-quants' dmin) that centres the codes: no bias
-        mid = _MID_CODE[type_name]
-        halves[..., 1] = halves[..., 0] * (mid if type_name.endswith("_K") else -mid)
-    halves = halves.astype(np.float16)
-    raw[:, :, start : start + 2 * count or None] = halves.view(np.uint8)
-    raw[0, 0] = 0  # a block of zeros: scale 0
-    return raw.reshape(rows, -1)
 
 
 @pytest.mark.parametrize(

@@ -299,10 +299,10 @@ def test_engine_on_the_triton_backend_matches_the_torch_one(tiny_llama):
     norm and rotary kernels) gives the PyTorch backend's tokens, greedy and seeded in
     float32, through chunked prefill, decode, prefix-cache hits and preemption. Here
     on the CPU in Triton's interpreter; on a GPU the same test runs there."""
-    from conftest import tiny_prompts
     from transformers import AutoTokenizer
 
     from pagoda import LLM, SamplingParams
+    from tests.helpers import tiny_prompts
 
     prompts = tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), n=5, seed=2)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -326,10 +326,10 @@ def test_engine_on_the_triton_backend_matches_the_torch_one(tiny_llama):
 def test_windowed_softcapped_family_on_the_triton_backend(tmp_path):
     """Gemma 2 (sliding windows on every other layer, soft-capped logits, Gemma's norms)
     on the Triton backend: the PyTorch backend's tokens past three windows, chunked."""
-    from conftest import make_model, tiny_prompts
     from transformers import AutoTokenizer
 
     from pagoda import LLM, SamplingParams
+    from tests.helpers import make_model, tiny_prompts
 
     folder = make_model(str(tmp_path / "gemma2"), "gemma2")
     prompts = [(p * 90)[:90] for p in tiny_prompts(AutoTokenizer.from_pretrained(folder), 3)]

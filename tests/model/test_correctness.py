@@ -6,36 +6,9 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from pagoda import LLM, SamplingParams
-from tests.conftest import tiny_prompts
-
-MAX_TOKENS = 24
-
-
-@functools.cache
-def hf_greedy(
-    folder: str, prompts: tuple[tuple[int, ...], ...], max_tokens: int
-) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
-            )
-            outs.append(out[0, len(prompt) :].tolist())
-    return outs
-
-
-def pagoda_greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+from tests.helpers import MAX_TOKENS, greedy_reference, pagoda_greedy, tiny_prompts
 
 
 @functools.cache
@@ -43,17 +16,10 @@ def _llm(folder: str, **kwargs) -> LLM:
     return LLM(folder, dtype="float32", kv_cache_memory_bytes=1 << 24, **kwargs)
 
 
-def _reference(folder: str):
-    llm = _llm(folder)
-    prompts = tiny_prompts(llm.get_tokenizer())
-    expected = hf_greedy(folder, tuple(map(tuple, prompts)), MAX_TOKENS)
-    return prompts, expected
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_greedy_matches_hf(tiny_models, arch):
     folder = tiny_models[arch]
-    prompts, expected = _reference(folder)
+    prompts, expected = greedy_reference(folder)
     got = pagoda_greedy(_llm(folder), prompts)  # all 16 in one generate call
     assert got == expected
     assert _llm(folder).llm_engine.get_stats().kv_cache.num_blocks_used == 0
@@ -70,14 +36,14 @@ def test_greedy_matches_hf(tiny_models, arch):
     ],
 )
 def test_settings_do_not_change_outputs(tiny_llama, settings):
-    prompts, expected = _reference(tiny_llama)
+    prompts, expected = greedy_reference(tiny_llama)
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 24, **settings)
     assert pagoda_greedy(llm, prompts) == expected
     assert llm.llm_engine.get_stats().kv_cache.num_blocks_used == 0
 
 
 def test_preemption_does_not_change_outputs(tiny_llama):
-    prompts, expected = _reference(tiny_llama)
+    prompts, expected = greedy_reference(tiny_llama)
     # 2 layers x 2 (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB a block: 20 blocks.
     llm = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=20 * 8192, max_model_len=160)
     assert llm.llm_engine.model_runner.num_blocks == 20
@@ -89,7 +55,7 @@ def test_preemption_does_not_change_outputs(tiny_llama):
 
 def test_cached_prefix_gives_same_output_as_cold(tiny_llama):
     llm = _llm(tiny_llama)
-    prompts, expected = _reference(tiny_llama)
+    prompts, expected = greedy_reference(tiny_llama)
     # Second run: every prompt's full blocks are now cached.
     hits_before = llm.llm_engine.get_stats().kv_cache.prefix_cache_hits
     assert pagoda_greedy(llm, prompts) == expected
@@ -139,7 +105,7 @@ def test_sampling_params_shape_the_distribution(tiny_llama):
 
 def test_stop_conditions(tiny_llama):
     llm = _llm(tiny_llama)
-    prompts, expected = _reference(tiny_llama)
+    prompts, expected = greedy_reference(tiny_llama)
     tokens = expected[0]
     stop_id = tokens[5]
     first = tokens.index(stop_id)

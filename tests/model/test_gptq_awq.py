@@ -24,8 +24,12 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.model_executor.quantization import from_awq, from_gptq
 from pagoda.ops import TORCH_OPS
-from tests.conftest import agreement_with_hf_steps, tiny_prompts
-from tests.test_quantization import assert_greedy_equals_hf, quantized_modules
+from tests.helpers import (
+    agreement_with_hf_steps,
+    assert_greedy_equals_hf,
+    quantized_modules,
+    tiny_prompts,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
 

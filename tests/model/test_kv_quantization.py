@@ -11,8 +11,7 @@ import torch
 from pagoda import LLM
 from pagoda.core.stats import KVCacheStats
 from pagoda.eval.perplexity import HELDOUT_TEXT, perplexity
-from tests.conftest import agreement_on_prefixes, smollm2_gguf, tiny_prompts
-from tests.test_correctness import pagoda_greedy
+from tests.helpers import agreement_on_prefixes, pagoda_greedy, smollm2_gguf, tiny_prompts
 
 KV = ["int8", "fp8_e4m3"]
 

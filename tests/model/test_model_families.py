@@ -6,53 +6,32 @@ past three times their window, on the C++ decode loop and on the PyTorch twins."
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
 from pagoda import LLM, SamplingParams
-from tests.conftest import WINDOW, make_model, tiny_prompts
+from tests.helpers import (
+    FAMILY_DEFAULTS,
+    FAMILY_MAX_TOKENS,
+    GGUF_OVERRIDES,
+    WINDOW,
+    agreement_on_prefixes,
+    family_greedy,
+    family_hf_greedy,
+    make_model,
+    tiny_prompts,
+)
 
 FAMILIES = [
     "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "granite", "smollm3", "deepseek_v2",
     "deepseek_v3",
 ]  # fmt: skip
 WINDOWED = ["gemma2", "gemma3", "mistral_window", "qwen2_window"]
-MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("families")
     return {arch: make_model(str(root / arch), arch) for arch in FAMILIES + WINDOWED[2:]}
-
-
-@functools.cache
-def hf_greedy(folder: str, prompts: tuple[tuple[int, ...], ...], max_tokens: int):
-    """transformers' own greedy continuations, one prompt at a time, eager attention
-    (the reference: Gemma 2's soft cap exists only there)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                do_sample=False, pad_token_id=0, eos_token_id=None,  # no stop: ignore_eos
-            )  # fmt: skip
-            outs.append(out[0, len(prompt) :].tolist())
-    return outs
-
-
-def greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def long_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -70,8 +49,8 @@ def test_family_matches_hf(family_models, arch):
     llm = LLM(folder, dtype="float32", kv_cache_memory_bytes=1 << 24)
     # (Phi-3's: past its original context, where HF takes the long factors as we do.)
     prompts = (long_prompts if arch == "phi3" else tiny_prompts)(llm.get_tokenizer(), 8, 11)
-    expected = hf_greedy(folder, tuple(map(tuple, prompts)), MAX_TOKENS)
-    assert greedy(llm, prompts) == expected
+    expected = family_hf_greedy(folder, tuple(map(tuple, prompts)), FAMILY_MAX_TOKENS)
+    assert family_greedy(llm, prompts) == expected
     assert llm.llm_engine.get_stats().kv_cache.num_blocks_used == 0
     block_bytes = llm.llm_engine.model_runner.bytes_per_block
     del llm
@@ -79,7 +58,7 @@ def test_family_matches_hf(family_models, arch):
         folder, dtype="float32", kv_cache_memory_bytes=12 * block_bytes,
         max_num_batched_tokens=7, max_model_len=160,
     )  # fmt: skip
-    assert greedy(tight, prompts) == expected
+    assert family_greedy(tight, prompts) == expected
     stats = tight.llm_engine.get_stats()
     assert stats.num_preemptions > 0 and stats.kv_cache.num_blocks_used == 0
 
@@ -94,15 +73,15 @@ def test_sliding_window_past_three_windows(family_models, tmp_path_factory, arch
     assert WINDOW in windows
     prompts = long_prompts(llm.get_tokenizer(), n=8, seed=12)
     assert min(len(p) for p in prompts) + 40 > 3 * WINDOW
-    expected = hf_greedy(folder, tuple(map(tuple, prompts)), 40)
-    assert greedy(llm, prompts, 40) == expected
+    expected = family_hf_greedy(folder, tuple(map(tuple, prompts)), 40)
+    assert family_greedy(llm, prompts, 40) == expected
     # Chunks shorter than the window, and prefix-cache hits on the second run.
     chunked = LLM(
         folder, dtype="float32", kv_cache_memory_bytes=1 << 24, kernel_backend=backend,
         max_num_batched_tokens=13,
     )  # fmt: skip
-    assert greedy(chunked, prompts, 40) == expected
-    assert greedy(chunked, prompts, 40) == expected
+    assert family_greedy(chunked, prompts, 40) == expected
+    assert family_greedy(chunked, prompts, 40) == expected
     assert chunked.llm_engine.get_stats().kv_cache.prefix_cache_hits > 0
 
 
@@ -124,9 +103,9 @@ def test_all_sliding_model_holds_only_its_window(family_models):
     assert engine.model_runner.sliding_window == WINDOW
     assert engine.model_config.max_model_len == engine.max_model_len == 512
     assert max(len(p) for p in prompts) + 40 > 8 * 16  # longer than the whole cache
-    expected = hf_greedy(folder, tuple(map(tuple, prompts)), 40)
-    assert greedy(llm, prompts, 40) == expected
-    assert greedy(llm, prompts, 40) == expected
+    expected = family_hf_greedy(folder, tuple(map(tuple, prompts)), 40)
+    assert family_greedy(llm, prompts, 40) == expected
+    assert family_greedy(llm, prompts, 40) == expected
     stats = engine.get_stats()
     assert stats.kv_cache.num_blocks_used == 0 and stats.kv_cache.prefix_cache_hits > 0
 
@@ -138,11 +117,15 @@ def test_phi3_longrope_by_context_length(family_models):
     folder = family_models["phi3"]
     short = LLM(folder, dtype="float32", kv_cache_memory_bytes=1 << 24, max_model_len=64)
     prompts = [p[:30] for p in tiny_prompts(short.get_tokenizer(), n=6, seed=13)]
-    assert greedy(short, prompts, 20) == hf_greedy(folder, tuple(map(tuple, prompts)), 20)
+    assert family_greedy(short, prompts, 20) == family_hf_greedy(
+        folder, tuple(map(tuple, prompts)), 20
+    )
     long = LLM(folder, dtype="float32", kv_cache_memory_bytes=1 << 24)
     prompts = [p for p in long_prompts(long.get_tokenizer(), n=6, seed=14) if len(p) > 64]
     assert len(prompts) >= 4
-    assert greedy(long, prompts, 20) == hf_greedy(folder, tuple(map(tuple, prompts)), 20)
+    assert family_greedy(long, prompts, 20) == family_hf_greedy(
+        folder, tuple(map(tuple, prompts)), 20
+    )
 
 
 def test_decode_loop_runs_every_family(family_models):
@@ -172,16 +155,6 @@ def _attention_layers(llm: LLM):
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-# Tiny models whose every setting a GGUF file can carry: llama.cpp's converter writes no
-# query_pre_attn_scalar (its runtime takes head_dim), no Gemma window pattern (every
-# other layer for Gemma 2, five in six for Gemma 3) and no NoPE layers (every fourth).
-GGUF_OVERRIDES = {
-    "gemma2": dict(query_pre_attn_scalar=16),
-    "gemma3": dict(num_hidden_layers=6, layer_types=None),
-    "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
-}
-
-
 @pytest.fixture(scope="module")
 def gguf_models(tmp_path_factory, family_models) -> dict[str, tuple[str, str]]:
     """(HF folder, the GGUF file llama.cpp's converter would write from it) per family."""
@@ -209,8 +182,8 @@ def test_family_gguf_matches_hf(gguf_models, arch):
     assert llm.llm_engine.model_config.architecture == _hf_architecture(folder)
     hf_tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = (long_prompts if arch == "phi3" else tiny_prompts)(hf_tokenizer, 8, 16)
-    expected = hf_greedy(folder, tuple(map(tuple, prompts)), MAX_TOKENS)
-    assert greedy(llm, prompts) == expected
+    expected = family_hf_greedy(folder, tuple(map(tuple, prompts)), FAMILY_MAX_TOKENS)
+    assert family_greedy(llm, prompts) == expected
     text = "The quick brown fox jumps over the lazy dog."
     assert llm.get_tokenizer().encode(text) == hf_tokenizer.encode(text)
     messages = [{"role": "user", "content": "Hello world"}]
@@ -229,7 +202,9 @@ def test_gguf_with_fused_qkv(tmp_path, gguf_models, arch):
     path = write_gguf(str(tmp_path / f"{arch}-fused.gguf"), folder, fuse_qkv=True)
     llm = LLM(path, dtype="float32", kv_cache_memory_bytes=1 << 22)
     prompts = tiny_prompts(AutoTokenizer.from_pretrained(folder), n=6, seed=16)
-    assert greedy(llm, prompts) == hf_greedy(folder, tuple(map(tuple, prompts)), MAX_TOKENS)
+    assert family_greedy(llm, prompts) == family_hf_greedy(
+        folder, tuple(map(tuple, prompts)), FAMILY_MAX_TOKENS
+    )
 
 
 def test_quantized_family_gguf_keeps_its_blocks(tmp_path, gguf_models):
@@ -237,7 +212,6 @@ def test_quantized_family_gguf_keeps_its_blocks(tmp_path, gguf_models):
     with the same file expanded to floats."""
     from transformers import AutoTokenizer
 
-    from tests.conftest import agreement_on_prefixes
     from tests.gguf_writer import write_gguf
 
     for arch in ("qwen3", "gemma3"):
@@ -250,7 +224,7 @@ def test_quantized_family_gguf_keeps_its_blocks(tmp_path, gguf_models):
         assert layer.self_attn.qkv_proj.qweight is not None
         assert layer.mlp.down_proj.qweight is not None
         prompts = tiny_prompts(AutoTokenizer.from_pretrained(folder), n=6, seed=17)
-        got = greedy(quantized, prompts)
+        got = family_greedy(quantized, prompts)
         dense = LLM(path, dtype="float32", kv_cache_memory_bytes=1 << 24, quantization="none")
         assert agreement_on_prefixes(dense, prompts, got) >= 0.97
 
@@ -265,7 +239,6 @@ def test_mla_cache_holds_latent_rows(family_models):
     """DeepSeek's cache holds one latent row a token and layer (kv_lora + rope values),
     not every head's K and V; the engine says both sizes (log, stats, /metrics). An
     int8 latent cache still agrees with the float one."""
-    from tests.conftest import FAMILY_DEFAULTS, agreement_on_prefixes
 
     cfg = FAMILY_DEFAULTS["deepseek_v3"]
     llm = LLM(family_models["deepseek_v3"], dtype="float32", kv_cache_memory_bytes=1 << 22)
@@ -277,7 +250,7 @@ def test_mla_cache_holds_latent_rows(family_models):
     prompts = tiny_prompts(llm.get_tokenizer(), n=6, seed=18)
     int8 = LLM(family_models["deepseek_v3"], dtype="float32", kv_cache_dtype="int8",
                kv_cache_memory_bytes=1 << 22)  # fmt: skip
-    assert agreement_on_prefixes(llm, prompts, greedy(int8, prompts)) >= 0.9
+    assert agreement_on_prefixes(llm, prompts, family_greedy(int8, prompts)) >= 0.9
 
 
 # Qwen3's way to turn thinking off: an empty think block in the generation prompt.

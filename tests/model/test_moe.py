@@ -12,8 +12,14 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.model_executor.layers.fused_moe import FusedMoE
 from pagoda.ops import TORCH_OPS
-from tests.conftest import agreement_on_prefixes, make_model, tiny_prompts
-from tests.test_correctness import MAX_TOKENS, hf_greedy, pagoda_greedy
+from tests.helpers import (
+    MAX_TOKENS,
+    agreement_on_prefixes,
+    hf_greedy,
+    make_model,
+    pagoda_greedy,
+    tiny_prompts,
+)
 
 VARIANTS = {
     "mixtral": ("mixtral", {}),

@@ -6,32 +6,15 @@ prefix cache; and the front door's refusals of bad images."""
 from __future__ import annotations
 
 import base64
-import io
 
-import numpy as np
 import pytest
 import torch
-from conftest import make_llava
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import InvalidRequestError
+from tests.helpers import MM_GREEDY, MM_MAX_TOKENS, data_uri, image, make_llava
 
-MAX_TOKENS = 10
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 KV_BLOCK_BYTES = 2 * 16 * 2 * 16 * 2 * 4  # layers, block size, KV heads, head dim, K and V, fp32
-
-
-def image(seed: int, size=(40, 50)):
-    from PIL import Image
-
-    pixels = np.random.RandomState(seed).randint(0, 256, (*size, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def data_uri(img, fmt: str = "PNG") -> str:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def mixed_prompts() -> list[dict]:
@@ -66,7 +49,7 @@ def hf_greedy(folder: str, prompts: list[dict]) -> list[list[int]]:
         images = p.get("multi_modal_data", {}).get("image")
         enc = processor(text=p["prompt"], images=images, return_tensors="pt")
         with torch.inference_mode():
-            ids = hf.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
+            ids = hf.generate(**enc, max_new_tokens=MM_MAX_TOKENS, do_sample=False)
         out.append(ids[0, enc["input_ids"].shape[1] :].tolist())
     return out
 
@@ -96,7 +79,7 @@ def tokens(outputs) -> list[list[int]]:
 def test_batch_matches_hf(llava, engine_kwargs):
     folder, expected = llava
     llm = LLM(folder, dtype="float32", **engine_kwargs)
-    assert tokens(llm.generate(mixed_prompts(), GREEDY, use_tqdm=False)) == expected
+    assert tokens(llm.generate(mixed_prompts(), MM_GREEDY, use_tqdm=False)) == expected
     runner = llm.llm_engine.model_runner
     assert runner.num_images_encoded >= 5  # 5 distinct images
 
@@ -107,7 +90,7 @@ def test_preemption_keeps_outputs_exact(llava):
     # run at once, so requests are preempted and recompute their images.
     llm = LLM(folder, dtype="float32", kv_cache_memory_bytes=12 * KV_BLOCK_BYTES)
     assert llm.llm_engine.model_runner.num_blocks == 12
-    outputs = llm.generate(mixed_prompts(), GREEDY, use_tqdm=False)
+    outputs = llm.generate(mixed_prompts(), MM_GREEDY, use_tqdm=False)
     assert tokens(outputs) == expected
     assert llm.llm_engine.get_stats().num_preemptions > 0
 
@@ -120,7 +103,7 @@ def test_swap_preemption_keeps_outputs_exact(llava):
         kv_cache_memory_bytes=12 * KV_BLOCK_BYTES,
         preemption_mode="swap",
     )
-    assert tokens(llm.generate(mixed_prompts(), GREEDY, use_tqdm=False)) == expected
+    assert tokens(llm.generate(mixed_prompts(), MM_GREEDY, use_tqdm=False)) == expected
     assert llm.llm_engine.get_stats().num_preemptions > 0
 
 
@@ -131,14 +114,14 @@ def test_shared_image_is_encoded_once(tiny_llava):
         {"prompt": f"Question {i}: <image> what is it?", "multi_modal_data": {"image": img}}
         for i in range(4)
     ]
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    outputs = llm.generate(prompts, MM_GREEDY, use_tqdm=False)
     assert llm.llm_engine.model_runner.num_images_encoded == 1
     stats = llm.llm_engine.get_stats()
     assert (stats.mm_cache_queries, stats.mm_cache_hits) == (4, 3)
     # The same image as a copy (another object, same pixels) is the same image.
     again = llm.generate(
         [{"prompt": "Question 0: <image> what is it?", "multi_modal_data": {"image": img.copy()}}],
-        GREEDY,
+        MM_GREEDY,
         use_tqdm=False,
     )
     assert tokens(again)[0] == tokens(outputs)[0]
@@ -152,7 +135,7 @@ def test_prefix_cache_keys_blocks_by_image(tiny_llava):
 
     def run(img):
         (out,) = llm.generate(
-            [{"prompt": text, "multi_modal_data": {"image": img}}], GREEDY, use_tqdm=False
+            [{"prompt": text, "multi_modal_data": {"image": img}}], MM_GREEDY, use_tqdm=False
         )
         return out
 
@@ -177,7 +160,7 @@ def test_chat_with_image_parts(tiny_llava):
         llm.generate(
             [{"prompt": "<|user|><image>What is this?</s><|assistant|>",
               "multi_modal_data": {"image": img}}],
-            GREEDY,
+            MM_GREEDY,
             use_tqdm=False,
         )
     )  # fmt: skip
@@ -187,7 +170,7 @@ def test_chat_with_image_parts(tiny_llava):
         {"type": "image_pil", "image_pil": img},
     ):
         messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
-        (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
+        (out,) = llm.chat(messages, MM_GREEDY, use_tqdm=False)
         assert out.prompt == "<|user|><image>What is this?</s><|assistant|>"
         assert tokens([out]) == expected
 
@@ -200,7 +183,7 @@ def test_bad_images_are_refused_and_the_engine_serves_on(tiny_llava, tiny_llama)
 
     def refused(prompt, param, match):
         with pytest.raises(InvalidRequestError, match=match) as e:
-            llm.generate([prompt], GREEDY, use_tqdm=False)
+            llm.generate([prompt], MM_GREEDY, use_tqdm=False)
         assert e.value.param == param
         assert isinstance(e.value, ValueError)
 
@@ -223,7 +206,7 @@ def test_bad_images_are_refused_and_the_engine_serves_on(tiny_llava, tiny_llama)
 
     def chat_refused(part, match):
         with pytest.raises(InvalidRequestError, match=match) as e:
-            llm.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False)
+            llm.chat([{"role": "user", "content": [part]}], MM_GREEDY, use_tqdm=False)
         assert e.value.param == "messages"
 
     remote = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
@@ -237,20 +220,20 @@ def test_bad_images_are_refused_and_the_engine_serves_on(tiny_llava, tiny_llama)
     strip = Image.new("RGB", (2, 200))
     chat_refused({"type": "image_pil", "image_pil": strip}, "at most 50 times the shorter")
     with pytest.raises(InvalidRequestError, match="content") as e:
-        llm.chat([{"role": "user", "content": 42}], GREEDY, use_tqdm=False)
+        llm.chat([{"role": "user", "content": 42}], MM_GREEDY, use_tqdm=False)
     assert e.value.param == "messages"
     # Three images in one conversation, over the limit of two.
     three = [{"type": "image_pil", "image_pil": img}] * 3
     with pytest.raises(InvalidRequestError, match="more than 2 images"):
-        llm.chat([{"role": "user", "content": three}], GREEDY, use_tqdm=False)
+        llm.chat([{"role": "user", "content": three}], MM_GREEDY, use_tqdm=False)
     # The engine serves on, and nothing was left queued.
-    (out,) = llm.generate([{"prompt": "a <image>", mm: {"image": img}}], GREEDY, use_tqdm=False)
+    (out,) = llm.generate([{"prompt": "a <image>", mm: {"image": img}}], MM_GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids
     assert not llm.llm_engine.has_unfinished_requests()
     # A text-only model refuses images with a clear error.
     text_llm = LLM(tiny_llama, dtype="float32")
     with pytest.raises(InvalidRequestError, match="takes no images") as e:
-        text_llm.generate([{"prompt": "a", mm: {"image": img}}], GREEDY, use_tqdm=False)
+        text_llm.generate([{"prompt": "a", mm: {"image": img}}], MM_GREEDY, use_tqdm=False)
     assert e.value.param == mm
     with pytest.raises(InvalidRequestError, match="takes no images"):
         text_llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img}]}])
@@ -293,7 +276,9 @@ def test_quantized_text_model_keeps_the_vision_tower_float(tiny_llava):
     assert tower and all(p.dtype == torch.float32 for p in tower.values())
     assert model.multi_modal_projector.linear_1.weight.dtype == torch.float32
     (out,) = llm.generate(
-        [{"prompt": "a <image> b", "multi_modal_data": {"image": image(0)}}], GREEDY, use_tqdm=False
+        [{"prompt": "a <image> b", "multi_modal_data": {"image": image(0)}}],
+        MM_GREEDY,
+        use_tqdm=False,
     )
     assert len(out.outputs[0].token_ids) > 0
 
@@ -312,7 +297,7 @@ def test_generate_command_takes_image_files(tiny_llava, tmp_path, capsys):
         {"role": "user", "content": [{"type": "image_pil", "image_pil": image(4)},
                                      {"type": "text", "text": "What is this?"}]}
     ]  # fmt: skip
-    (expected,) = LLM(tiny_llava, dtype="float32").chat(messages, GREEDY, use_tqdm=False)
+    (expected,) = LLM(tiny_llava, dtype="float32").chat(messages, MM_GREEDY, use_tqdm=False)
     args = ["generate", "--model", tiny_llava, "--dtype", "float32", "--max-tokens", "10"]
     assert main([*args, "--image", str(path), "What is this?"]) == 0
     assert capsys.readouterr().out == expected.outputs[0].text + "\n"
@@ -325,9 +310,9 @@ def test_parallel_sampling_and_speculation_with_images(tiny_llava):
     """n > 1 siblings fork after the image and share its blocks; n-gram drafts verify
     on a prompt with an image; greedy outputs stay the plain run's."""
     prompts = mixed_prompts()[:4]
-    plain = tokens(LLM(tiny_llava, dtype="float32").generate(prompts, GREEDY, use_tqdm=False))
+    plain = tokens(LLM(tiny_llava, dtype="float32").generate(prompts, MM_GREEDY, use_tqdm=False))
     llm = LLM(tiny_llava, dtype="float32")
-    outs = llm.generate(prompts, SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0.0),
+    outs = llm.generate(prompts, SamplingParams(n=3, max_tokens=MM_MAX_TOKENS, temperature=0.0),
                         use_tqdm=False)  # fmt: skip
     for out, expected in zip(outs, plain, strict=True):
         assert [list(c.token_ids) for c in out.outputs] == [expected] * 3

@@ -20,8 +20,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from pagoda import LLM, SamplingParams
-from pagoda.model_executor.layers.linear import Embedding, Linear
-from tests.conftest import agreement_on_prefixes, agreement_with_hf_steps, tiny_prompts
+from tests.helpers import (
+    QUESTIONS,
+    agreement_on_prefixes,
+    agreement_with_hf_steps,
+    assert_greedy_equals_hf,
+    load_hf,
+    quantized_modules,
+    random_blocks,
+    tiny_prompts,
+)
 
 FORMATS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
 
@@ -39,26 +47,6 @@ def hf_on_dequantized(folder: str, ggml_type: str, keep: tuple[str, ...] = ()):
             qtype = GGMLQuantizationType[ggml_type]
             w.copy_(torch.from_numpy(dequantize(quantize(w.numpy(), qtype), qtype)))
     return model
-
-
-def assert_greedy_equals_hf(hf, prompts: list[list[int]], outs) -> None:
-    """Each output's tokens are HF's greedy continuation of the same prompt and length
-    (EOS never ending HF early: the outputs were made with min_tokens or ignore_eos)."""
-    for prompt, out in zip(prompts, outs, strict=True):
-        ids, n = torch.tensor([prompt]), len(out.outputs[0].token_ids)
-        with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False)  # fmt: skip
-        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
-
-
-def quantized_modules(llm: LLM) -> dict[str, str]:
-    model = llm.llm_engine.model_runner.model
-    return {
-        name: m.qweight.format
-        for name, m in model.named_modules()
-        if isinstance(m, (Linear, Embedding)) and m.qweight is not None
-    }
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -174,7 +162,6 @@ def test_shipped_gguf_weights_stay_in_their_blocks(gguf_path):
 def test_shipped_gguf_float_activations_match_hf(gguf_path):
     """float32 activations on the file's blocks (dequantized per product) equal
     transformers on the same file, token for token."""
-    from tests.test_smollm2 import QUESTIONS, load_hf
 
     llm = LLM(gguf_path, dtype="float32", int8_activations=False, kv_cache_memory_bytes=1 << 26)
     assert quantized_modules(llm)
@@ -195,7 +182,6 @@ def test_shipped_gguf_int8_activations_agree_with_hf_bf16(gguf_path):
     on the dequantized file, every token on its own prefix: at least 93% agree.
     (At least 95% on Sapphire Rapids; 241/256 = 94.1% on AMD EPYC, whose bf16 GEMMs
     without AMX round HF's reference differently.)"""
-    from tests.test_smollm2 import QUESTIONS, load_hf
 
     llm = LLM(gguf_path, dtype="bfloat16", kv_cache_memory_bytes=1 << 28)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
@@ -244,7 +230,6 @@ TINY = {"block_count": 2, "embedding_length": 256, "feed_forward_length": 512,
 def blocks_with_std(type_name: str, rows: int, cols: int, seed: int, std: float) -> np.ndarray:
     """Random raw blocks whose dequantized weights have standard deviation ~`std` (as
     an initialized model's: a residual stream that one embedding does not dominate)."""
-    from tests.test_quant_kernels import random_blocks
 
     qtype = GGMLQuantizationType[type_name]
     actual = dequantize(random_blocks(type_name, rows, cols, seed, 1e-3), qtype).std()
@@ -291,7 +276,6 @@ def test_every_gguf_type_end_to_end(gguf_path, tmp_path, types):
     transformers loading the same file: token for token where the blocks are kept
     exactly; where scales are rounded or blocks requantized, at least 90% agreement on
     each prefix with HF."""
-    from tests.test_smollm2 import load_hf
 
     path = str(tmp_path / "tiny.gguf")
     write_tiny_gguf(path, gguf_path, types)

@@ -3,34 +3,13 @@ loading the same GGUF (dequantized): float32 token for token, bfloat16 by greedy
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from tests.conftest import agreement_with_hf_steps
+from tests.helpers import QUESTIONS, agreement_with_hf_steps, load_hf
 
 pytestmark = pytest.mark.slow
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a KV cache is in one sentence.",
-    "List three prime numbers.",
-    "How do I reverse a list in Python?",
-    "What is 12 times 7?",
-    "Give me a synonym for happy.",
-    "Why is the sky blue?",
-]
-
-
-def load_hf(gguf_path: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=dtype
-    ).eval()
 
 
 def test_smollm2_gguf_matches_hf(gguf_path):

@@ -16,7 +16,7 @@ import pytest
 
 from pagoda import EngineArgs, LLMEngine, SamplingParams
 from pagoda.core.block_pool import CACHED, FREE, SHARED, USED
-from tests.test_server_utils import RemoteServer
+from tests.helpers import RemoteServer
 
 KEY = "dash-key"
 BLOCK_BYTES = 8192  # tiny llama: 2 layers x 2 x 16 tokens x 2 heads x 16 dims x 4 bytes

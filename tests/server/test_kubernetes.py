@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 
-from tests.test_server_utils import ROOT
+from tests.helpers import ROOT
 
 KUBERNETES_VERSION = "1.30.0"
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.test_server_utils import ROOT, RemoteServer
+from tests.helpers import ROOT, RemoteServer
 
 DEPLOY = os.path.join(ROOT, "deploy")
 ALERTS = os.path.join(DEPLOY, "prometheus", "alerts.yml")

@@ -7,11 +7,7 @@ replicas and a real `pagoda router` on 127.0.0.1, driven by the official client.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
@@ -20,7 +16,7 @@ import pytest
 
 from pagoda.entrypoints.prefix_table import PrefixTable
 from pagoda.entrypoints.router import Router
-from tests.test_server_utils import ROOT, RemoteServer, free_port
+from tests.helpers import RemoteRouter, RemoteServer, free_port, reachable
 
 # ---- the policy alone --------------------------------------------------------------------
 
@@ -77,7 +73,7 @@ def test_loads_first_then_cache():
 
 
 def test_chat_and_text_prompts_hash_through_the_tokenizer(tiny_llama):
-    from pagoda.model_executor.model_loader import load_tokenizer
+    from pagoda.model_executor.model_files import load_tokenizer
 
     router = Router(["http://a"], tokenizer=load_tokenizer(tiny_llama, False))
     text = "the quick brown fox jumps over the lazy dog " * 8
@@ -101,29 +97,6 @@ def test_prefix_table_is_bounded_and_chained():
 
 
 # ---- real replicas ---------------------------------------------------------------------
-
-
-class RemoteRouter(RemoteServer):
-    """`pagoda router --backend ...` in a subprocess, waited for as a server is."""
-
-    def __init__(
-        self, backends: list[str], model: str, *args: str, env: dict[str, str] | None = None
-    ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = self.url + "/v1"
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--port", str(self.port)]
-        cmd += ["--model", model, *(["--backend", *backends] if backends else []), *args]
-        fd, self.log_path = tempfile.mkstemp(prefix="pagoda-router-", suffix=".log")
-        self.log = os.fdopen(fd, "w")
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-        )
-        self._wait_ready()
 
 
 @pytest.fixture(scope="module")
@@ -325,19 +298,11 @@ def test_serve_data_parallel(tiny_llama):
             for line in text.splitlines()
             if line.startswith("pagoda_router:requests_total{")
         ]
-        assert len(urls) == 2 and all(_reachable(u) for u in urls)
+        assert len(urls) == 2 and all(reachable(u) for u in urls)
         assert server.terminate() == 0
-        assert not any(_reachable(u) for u in urls)  # no replica outlives the server
+        assert not any(reachable(u) for u in urls)  # no replica outlives the server
     finally:
         server.stop()
-
-
-def _reachable(url: str) -> bool:
-    try:
-        httpx.get(url + "/health", timeout=2)
-        return True
-    except httpx.HTTPError:
-        return False
 
 
 def test_kv_events_follow_the_replicas_caches(tiny_llama):

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pagoda import LLM, SamplingParams
-from tests.test_server_utils import RemoteServer
+from tests.helpers import RemoteServer
 
 PROMPTS = [
     "The quick brown fox",

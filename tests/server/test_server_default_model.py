@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import smollm2_gguf
-from tests.test_server_utils import RemoteServer
+from tests.helpers import RemoteServer, smollm2_gguf
 
 pytestmark = pytest.mark.slow
 

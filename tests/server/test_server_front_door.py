@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_server_utils import RemoteServer
+from tests.helpers import RemoteServer
 
 VOCAB = 400  # the tiny model's vocabulary
 INT64 = 2**63

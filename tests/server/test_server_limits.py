@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_server_utils import RemoteServer
+from tests.helpers import RemoteServer
 
 KEY = "sk-pagoda-test"
 

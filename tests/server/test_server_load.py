@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.test_server_utils import RemoteServer
+from tests.helpers import RemoteServer
 
 NUM_STREAMS = 256
 NUM_DISCONNECTS = 64

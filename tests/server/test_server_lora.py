@@ -11,8 +11,7 @@ import openai
 import pytest
 
 from pagoda import LLM, LoRARequest, SamplingParams
-from tests.test_lora import ADAPTERS, make_adapter
-from tests.test_server_utils import RemoteServer
+from tests.helpers import ADAPTERS, RemoteServer, broken_copy, make_adapter
 
 KEY = "lora-key"
 PROMPT = "The quick brown fox"
@@ -152,7 +151,6 @@ def test_bad_loads_are_4xx(server, client, body, status, param, words):
 
 
 def test_adapter_above_max_rank_is_refused(server, tmp_path, adapters):
-    from tests.test_lora import broken_copy
 
     path = broken_copy(adapters["all8"], str(tmp_path / "big"), "rank_too_big")
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "big", "lora_path": path})

@@ -9,10 +9,9 @@ import threading
 
 import httpx
 import pytest
-from test_multimodal import GREEDY, data_uri, image
-from test_server_utils import RemoteServer
 
 from pagoda import LLM
+from tests.helpers import MM_GREEDY, RemoteServer, data_uri, image
 
 MAX_IMAGE_BYTES = 20 << 20  # RequestLimits.max_image_bytes
 
@@ -72,13 +71,13 @@ def ask(url: str) -> list[dict]:
 
 def chat(server, messages, **kwargs):
     return server.client().chat.completions.create(
-        model="llava", messages=messages, max_tokens=GREEDY.max_tokens, temperature=0, **kwargs
+        model="llava", messages=messages, max_tokens=MM_GREEDY.max_tokens, temperature=0, **kwargs
     )
 
 
 def test_data_uri_image_matches_offline(server, tiny_llava):
     img = image(5)
-    offline = LLM(tiny_llava, dtype="float32").chat(ask(data_uri(img)), GREEDY, use_tqdm=False)
+    offline = LLM(tiny_llava, dtype="float32").chat(ask(data_uri(img)), MM_GREEDY, use_tqdm=False)
     expected = offline[0].outputs[0].text
     reply = chat(server, ask(data_uri(img)))
     assert reply.choices[0].message.content == expected

@@ -12,8 +12,7 @@ import pytest
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.bench.workloads import json_schemas
 from pagoda.engine.tools import ToolCallParser, call_grammar, check_tools, format_call
-from tests.conftest import make_model, smollm2_gguf
-from tests.test_server_utils import RemoteServer
+from tests.helpers import RemoteServer, make_model, smollm2_gguf
 
 MESSAGES = [{"role": "user", "content": "Hello world, how are you today?"}]
 WEATHER = {

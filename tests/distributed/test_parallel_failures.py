@@ -11,13 +11,12 @@ from dataclasses import replace
 import numpy as np
 import psutil
 import pytest
-from conftest import tiny_prompts
-from test_failure_isolation import _fail_sampling, _finish
 
 from pagoda import EngineArgs, LLMEngine, SamplingParams
 from pagoda.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.sampling_params import RequestOutputKind
+from tests.helpers import fail_sampling, finish_all, tiny_prompts
 
 FINAL = RequestOutputKind.FINAL_ONLY
 
@@ -76,9 +75,9 @@ def test_request_aborted_in_flight_is_not_run_again_over_another(tiny_llama, mon
     engine = _pipelined_engine(tiny_llama, num_blocks=blocks)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=FINAL)
     engine.add_request("b", {"prompt_token_ids": b}, params)
-    alone = _finish(engine)["b"].outputs[0].token_ids
+    alone = finish_all(engine)["b"].outputs[0].token_ids
 
-    _fail_sampling(monkeypatch, lambda r: r.request_id == "a")
+    fail_sampling(monkeypatch, lambda r: r.request_id == "a")
     engine.add_request("a", {"prompt_token_ids": a}, params)
     engine.add_request("c", {"prompt_token_ids": c}, params)
     assert engine.step() == []  # the step of a and c is submitted (and failed)
@@ -88,7 +87,7 @@ def test_request_aborted_in_flight_is_not_run_again_over_another(tiny_llama, mon
     with pytest.raises(InvalidRequestError, match="request_id"):  # its step is in flight
         engine.add_request("a", {"prompt_token_ids": a}, params)
     engine.add_request("b", {"prompt_token_ids": b}, params)  # takes a's blocks
-    finals = _finish(engine)
+    finals = finish_all(engine)
     assert finals["b"].outputs[0].token_ids == alone
     assert finals["c"].outputs[0].finish_reason == "length"
     assert engine.scheduler.in_flight == set() and not engine.scheduler.newly_scheduled
@@ -179,7 +178,7 @@ def test_a_large_step_and_a_large_answer_cross_on_the_pipe(tiny_llama):
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     finals = {}
-    runner = threading.Thread(target=lambda: finals.update(_finish(engine)), daemon=True)
+    runner = threading.Thread(target=lambda: finals.update(finish_all(engine)), daemon=True)
     runner.start()
     runner.join(120)
     try:

@@ -14,8 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_router import RemoteRouter, _reachable
-from tests.test_server_utils import RemoteServer, free_port
+from tests.helpers import RemoteRouter, RemoteServer, free_port, reachable
 
 pytest.importorskip("ray")
 
@@ -66,7 +65,7 @@ def test_replicas_as_ray_actors_and_found_by_a_router(ray_head, tiny_llama):
             r = client.completions.create(model=tiny_llama, prompt=f"say {i}", max_tokens=3)
             assert r.choices[0].text is not None
         urls = _replica_urls(httpx.get(server.url + "/metrics").text)
-        assert len(urls) == 2 and all(_reachable(u) for u in urls)
+        assert len(urls) == 2 and all(reachable(u) for u in urls)
         # Another router, anywhere on the cluster, finds the same replicas.
         router = RemoteRouter([], tiny_llama, "--discover-ray", env=env)
         r = router.client().completions.create(model=tiny_llama, prompt="hello", max_tokens=3)
@@ -74,7 +73,7 @@ def test_replicas_as_ray_actors_and_found_by_a_router(ray_head, tiny_llama):
         assert _replica_urls(httpx.get(router.url + "/metrics").text) == urls
         assert server.terminate() == 0
         deadline = time.monotonic() + 30
-        while any(_reachable(u) for u in urls):  # no replica outlives its server
+        while any(reachable(u) for u in urls):  # no replica outlives its server
             assert time.monotonic() < deadline
             time.sleep(0.5)
     finally:

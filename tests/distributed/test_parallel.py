@@ -12,13 +12,12 @@ import sys
 
 import psutil
 import pytest
-from conftest import make_model, tiny_prompts
-from test_server_utils import RemoteServer
 
 from pagoda import LLM, SamplingParams
-from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine_args import EngineArgs
 from pagoda.errors import EngineDeadError
+from tests.helpers import RemoteServer, make_model, tiny_prompts
 
 # The tiny llama's K/V per block of 16 tokens in float32: 2 layers x K, V x 2 KV heads x 16.
 KV_BYTES = 40 * 2 * 2 * 16 * 2 * 16 * 4  # 40 blocks

@@ -5,10 +5,10 @@ the engine."""
 from __future__ import annotations
 
 import pytest
-from conftest import make_model, tiny_prompts
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import EngineDeadError
+from tests.helpers import make_model, tiny_prompts
 
 ray = pytest.importorskip("ray")
 
