@@ -29,7 +29,7 @@ sys.path[0] = __file__.rsplit("/benchmarks/", 1)[0]
 
 from pagoda import LLM  # noqa: E402
 from pagoda.bench.report import machine_info  # noqa: E402
-from pagoda.model_executor.model_loader import load_tokenizer  # noqa: E402
+from pagoda.model_executor.model_files import load_tokenizer  # noqa: E402
 from tests.helpers import GGUF_OVERRIDES, make_model, smollm2_gguf, tiny_prompts  # noqa: E402
 from tests.helpers import family_greedy as greedy  # noqa: E402
 from tests.helpers import family_hf_greedy as hf_greedy  # noqa: E402

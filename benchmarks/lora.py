@@ -34,7 +34,8 @@ from pagoda.bench.throughput import in_subprocess
 from pagoda.bench.workloads import make_workload
 from pagoda.lora import LoRARequest
 from pagoda.lora.adapter import TARGET_MODULES, module_shapes
-from pagoda.model_executor.model_loader import load_hf_config, load_tokenizer, resolve_model
+from pagoda.model_executor.model_files import load_tokenizer, resolve_model
+from pagoda.model_executor.model_loader import load_hf_config
 
 
 def write_adapter(folder: str, hf_config: dict, rank: int, seed: int) -> str:

@@ -110,7 +110,7 @@ def time_collectives(rows: int, hidden: int, dtype: str) -> tuple[float, float, 
 
 def main() -> None:
     from pagoda.bench.report import machine_info, versions
-    from pagoda.model_executor.model_loader import resolve_model
+    from pagoda.model_executor.model_files import resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)

@@ -61,7 +61,7 @@ CONFIGS = {
 def make_folder(name: str, folder: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagoda.model_executor.model_loader import load_tokenizer
+    from pagoda.model_executor.model_files import load_tokenizer
     from tests.helpers import smollm2_gguf
 
     cfg = dict(CONFIGS[name])

@@ -29,7 +29,7 @@ import httpx
 from pagoda.bench.report import machine_info, versions
 from pagoda.bench.serve import make_payloads, run_pass
 from pagoda.bench.workloads import make_workload
-from pagoda.model_executor.model_loader import load_tokenizer, resolve_model
+from pagoda.model_executor.model_files import load_tokenizer, resolve_model
 
 CLI = [sys.executable, "-m", "pagoda.entrypoints.cli"]
 

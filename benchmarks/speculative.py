@@ -25,7 +25,7 @@ import json
 from pagoda.bench.report import machine_info, versions
 from pagoda.bench.throughput import in_subprocess
 from pagoda.bench.workloads import make_workload
-from pagoda.model_executor.model_loader import load_tokenizer, resolve_model
+from pagoda.model_executor.model_files import load_tokenizer, resolve_model
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from collections import defaultdict
 from pagoda import EngineArgs, LLMEngine, SamplingParams, StructuredOutputsParams
 from pagoda.bench.report import machine_info, versions
 from pagoda.bench.workloads import json_schemas, make_workload
-from pagoda.model_executor.model_loader import load_tokenizer, resolve_model
+from pagoda.model_executor.model_files import load_tokenizer, resolve_model
 from pagoda.sample import sampler
 
 APPLY_BITMASK = sampler.apply_bitmask

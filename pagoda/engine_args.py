@@ -31,6 +31,7 @@ from pagoda.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pagoda.model_executor import model_files
 from pagoda.model_executor.models import (
     EXPERTS,
     LATENT_ATTENTION,
@@ -244,7 +245,7 @@ class EngineArgs:
     def _model_config(self, device: str) -> ModelConfig:
         from pagoda.model_executor import model_loader
 
-        path, is_gguf = model_loader.resolve_model(self.model)
+        path, is_gguf = model_files.resolve_model(self.model)
         hf_config = model_loader.load_hf_config(path, is_gguf)
         model_loader.check_architecture(hf_config, path)
         model_needs = needs(hf_config["architectures"][0])
@@ -309,7 +310,7 @@ class EngineArgs:
         if self.device == "auto":
             from pagoda.model_executor import model_loader
 
-            path, is_gguf = model_loader.resolve_model(self.model)
+            path, is_gguf = model_files.resolve_model(self.model)
             refusal = self._cuda_refusal(model_loader.load_hf_config(path, is_gguf))
             if refusal is not None:
                 if warn:

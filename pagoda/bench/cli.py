@@ -73,7 +73,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _workload(ns: argparse.Namespace, engine_kwargs: dict[str, Any]):
     from pagoda.bench.workloads import load_dataset, make_workload
-    from pagoda.model_executor.model_loader import load_tokenizer, resolve_model
+    from pagoda.model_executor.model_files import load_tokenizer, resolve_model
 
     path, is_gguf = resolve_model(engine_kwargs["model"])
     tokenizer = load_tokenizer(path, is_gguf)

@@ -427,7 +427,7 @@ def format_serve_table(results: list[dict[str, Any]]) -> str:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.bench import report
-    from pagoda.model_executor.model_loader import load_tokenizer, resolve_model
+    from pagoda.model_executor.model_files import load_tokenizer, resolve_model
 
     _validate(ns)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request

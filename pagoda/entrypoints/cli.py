@@ -166,7 +166,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", nargs="+", metavar="URL", help="the replicas' base URLs")
+    parser.add_argument(
+        "--backend",
+        nargs="+",
+        action="extend",  # --backend A --backend B: both (a plain list kept only B)
+        metavar="URL",
+        help="the replicas' base URLs",
+    )
     parser.add_argument(
         "--discover-dns",
         default=None,
@@ -225,9 +231,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_router(ns: argparse.Namespace) -> int:
-    from pagoda.entrypoints.router import run_router
+    from pagoda.entrypoints.router import RouterConfig, run_router
 
-    return run_router(ns)
+    return run_router(RouterConfig.from_namespace(ns))
 
 
 def build_parser() -> argparse.ArgumentParser:

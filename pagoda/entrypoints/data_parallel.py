@@ -7,7 +7,7 @@ process with the same arguments:
 - `ray`: as Ray actors (`ReplicaActor`) wherever the cluster has room for their
   CPUs, each serving on its node's address; `RAY_ADDRESS` names the cluster (a local
   one starts otherwise). The actors are named, so `pagoda router --discover-ray` on
-  any host of the cluster finds them too (`ray_replica_urls`).
+  any host of the cluster finds them too (`pagoda.ray_cluster.replica_urls`).
 
 Either way the replicas end with this process, however it ends: SIGTERM first, and
 the kernel's PR_SET_PDEATHSIG if it dies (a replica's process is its launcher's
@@ -28,18 +28,17 @@ import uuid
 
 import httpx
 
+from pagoda.entrypoints.router import RouterConfig, run_router
+from pagoda.ray_cluster import RAY_NAMESPACE, RAY_REPLICA_PREFIX, connect_ray
+
 logger = logging.getLogger(__name__)
 
 _REPLICA_STARTUP_S = 600  # a large model's load
-RAY_NAMESPACE = "pagoda"
-RAY_REPLICA_PREFIX = "pagoda-replica-"
 
 
 def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
     """Start the replicas, wait until each is healthy, then run the router in front of
     them until SIGTERM (exit status 0) or a failure; the replicas stop with it."""
-    from pagoda.entrypoints.router import run_router
-
     n = ns.data_parallel_size
     args = _without_options(argv, ("--data-parallel-size", "--port", "--host"))  # "serve" ...
     if ns.distributed_executor_backend == "ray":
@@ -57,22 +56,16 @@ def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"replica {url} not ready in {_REPLICA_STARTUP_S} s")
                 time.sleep(0.5)
-        router_ns = argparse.Namespace(
-            backend=urls,
-            discover_dns=None,
-            discover_ray=False,
-            host=ns.host,
-            port=ns.port,
-            policy="prefix",
+        config = RouterConfig(
+            backends=tuple(urls),
             model=ns.model,
             block_size=ns.block_size,
-            balance_threshold=16,
-            prefix_table_size=1 << 20,
             kv_events=True,  # the replicas are pagoda's: follow their caches
-            health_check_interval=2.0,
+            host=ns.host,
+            port=ns.port,
             shutdown_timeout=ns.shutdown_timeout,
         )
-        return run_router(router_ns)
+        return run_router(config)
     finally:
         replicas.stop(ns.shutdown_timeout + 15)
 
@@ -141,8 +134,6 @@ class _RayReplicas:
     def __init__(self, n: int, args: list[str], num_threads: int | None, world: int) -> None:
         """`world`: the workers each replica's model is split across (1: none); they
         reserve the CPUs (each its share), and the replica's own actor then none."""
-        from pagoda.worker.ray_executor import connect_ray
-
         if n < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {n}.")
         ray = connect_ray()
@@ -189,32 +180,6 @@ class _RayReplicas:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
-
-
-def ray_replica_urls() -> list[str]:
-    """The URLs of every replica actor in the Ray cluster (`RAY_ADDRESS`, or the one on
-    this host): what `pagoda router --discover-ray` routes over."""
-    from pagoda.worker.ray_executor import connect_ray
-
-    ray = connect_ray(os.environ.get("RAY_ADDRESS", "auto"))  # never a new local one
-    names = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == RAY_NAMESPACE and a["name"].startswith(RAY_REPLICA_PREFIX)
-    ]
-    calls = []
-    for name in names:
-        try:
-            calls.append(ray.get_actor(name, namespace=RAY_NAMESPACE).url.remote())
-        except ValueError:  # gone since it was listed
-            continue
-    urls = []
-    for call in calls:
-        try:
-            urls.append(ray.get(call, timeout=10))
-        except ray.exceptions.RayError:  # dead or stuck: not a replica now
-            continue
-    return sorted(urls)
 
 
 def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from pagoda.config import CacheConfig, ModelConfig, ParallelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.errors import EngineDeadError
+from pagoda.ray_cluster import connect_ray
 from pagoda.worker.executor import Executor, Worker
 
 logger = logging.getLogger(__name__)
@@ -42,20 +43,6 @@ def _free_address() -> tuple[str, int]:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return ray.util.get_node_ip_address(), sock.getsockname()[1]
-
-
-def connect_ray(address: str | None = None):
-    """The `ray` module, connected to the cluster `address` names (default:
-    `RAY_ADDRESS`; neither: a local instance starts). Raises ValueError without ray."""
-    try:
-        import ray
-    except ImportError as e:
-        raise ValueError(
-            "distributed_executor_backend 'ray' needs the ray package (pip install 'pagoda[ray]')."
-        ) from e
-    if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
-    return ray
 
 
 class RayExecutor(Executor):

@@ -14,11 +14,16 @@ import httpx
 import openai
 import pytest
 
-from pagoda.entrypoints.prefix_table import PrefixTable
-from pagoda.entrypoints.router import Router
+from pagoda.entrypoints.router import Router, RouterConfig
+from pagoda.entrypoints.router.prefix_table import PrefixTable
+from pagoda.entrypoints.router.tokens import PromptTokenizer
 from tests.helpers import RemoteRouter, RemoteServer, free_port, reachable
 
 # ---- the policy alone --------------------------------------------------------------------
+
+
+def make_router(backends: list[str], policy: str = "prefix", tokenizer=None, **kwargs) -> Router:
+    return Router(RouterConfig(backends=tuple(backends), policy=policy, **kwargs), tokenizer)
 
 
 def family_prompts(num_families: int, per_family: int, prefix_len: int = 64) -> list[list[int]]:
@@ -43,17 +48,17 @@ def route(router: Router, prompts: list[list[int]]) -> list[int]:
 
 def test_prefix_policy_keeps_each_family_on_one_replica():
     prompts = family_prompts(4, 6)
-    router = Router(["http://a", "http://b"], "prefix")
+    router = make_router(["http://a", "http://b"], "prefix")
     chosen = route(router, prompts)
     by_family = {f: {chosen[i] for i in range(f, len(prompts), 4)} for f in range(4)}
     assert all(len(replicas) == 1 for replicas in by_family.values())
     assert sorted(chosen[:4]) == [0, 0, 1, 1]  # new families spread out
-    rr = route(Router(["http://a", "http://b"], "round-robin"), prompts)
+    rr = route(make_router(["http://a", "http://b"], "round-robin"), prompts)
     assert rr == [0, 1] * 12
 
 
 def test_loads_first_then_cache():
-    router = Router(["http://a", "http://b"], "prefix", balance_threshold=2)
+    router = make_router(["http://a", "http://b"], "prefix", balance_threshold=2)
     hashes = router.block_hashes({"prompt": list(range(3, 67))})
     assert len(hashes) == 4
     router.record(hashes, router.replicas[0])
@@ -67,15 +72,13 @@ def test_loads_first_then_cache():
     router.set_health(router.replicas[0], True)
     router.replicas[0].in_flight = 0
     assert router.table.matched_blocks(hashes, 0) == 0
-    assert Router(["http://a"], "least-loaded").choose(hashes).index == 0
+    assert make_router(["http://a"], "least-loaded").choose(hashes).index == 0
     with pytest.raises(ValueError, match="policy"):
-        Router(["http://a"], "random")
+        make_router(["http://a"], "random")
 
 
 def test_chat_and_text_prompts_hash_through_the_tokenizer(tiny_llama):
-    from pagoda.model_executor.model_files import load_tokenizer
-
-    router = Router(["http://a"], tokenizer=load_tokenizer(tiny_llama, False))
+    router = make_router(["http://a"], tokenizer=PromptTokenizer.load(tiny_llama))
     text = "the quick brown fox jumps over the lazy dog " * 8
 
     def chat(end: str) -> list[bytes]:
@@ -196,13 +199,13 @@ def test_replicas_found_by_dns(replicas, tiny_llama):
         assert routed == 1
     finally:
         router.stop()
-    r = Router([], discover="localhost:1")
-    asyncio.run(r.discover_replicas())
+    r = make_router([], discover="localhost:1")
+    asyncio.run(r.replica_set.rediscover())
     assert "http://127.0.0.1:1" in [x.url for x in r.replicas]
-    r.set_replicas(["http://b"])
+    r.replica_set.set_urls(["http://b"])
     assert [x.url for x in r.replicas] == ["http://b"] and r.replicas[0].index > 0
     with pytest.raises(ValueError, match="HOST:PORT"):
-        Router([], discover="localhost")
+        make_router([], discover="localhost")
 
 
 def test_a_draining_replica_passes_its_requests_on(replicas, tiny_llama):
@@ -320,7 +323,7 @@ def test_kv_events_follow_the_replicas_caches(tiny_llama):
     a, b = servers
     earlier = list(range(10, 74))  # on a before the router starts: in its snapshot
     a.client().completions.create(model=tiny_llama, prompt=earlier, max_tokens=1)
-    router = Router([s.url for s in servers], kv_events=True)
+    router = make_router([s.url for s in servers], kv_events=True)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(build_app(router, health_check_interval=0.2), port=port, log_level="error")

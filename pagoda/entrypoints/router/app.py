@@ -1,0 +1,265 @@
+"""`pagoda router`'s HTTP side: one OpenAI endpoint in front of the replicas.
+
+Requests and responses pass through unchanged (streams chunk by chunk, errors with
+their status and body). A replica that cannot be reached, or that answers 503
+(draining, dead, or its queue full), has started nothing: the request goes to
+another, and the replica is marked down unless only its queue was full; health
+checks (`GET /health`) take replicas out and put them back, and with `kv_events`
+a follower per healthy replica reads its prefix cache's changes. `/v1/models` is
+the union of the replicas'; `/metrics` is the router's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+
+import httpx
+import prometheus_client as prom
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda import envs
+from pagoda.entrypoints.http_server import Server
+from pagoda.entrypoints.router.config import RouterConfig
+from pagoda.entrypoints.router.policy import Router
+from pagoda.entrypoints.router.prefix_table import follow_kv_events
+from pagoda.entrypoints.router.replicas import Replica
+from pagoda.entrypoints.router.tokens import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+
+# Headers that belong to one hop, not to the request or response being relayed.
+_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+def _error(status: int, message: str, type_: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(router: Router, health_check_interval: float | None = None) -> FastAPI:
+    """The router's app; `health_check_interval` (seconds) overrides the config's."""
+    if health_check_interval is None:
+        health_check_interval = router.config.health_check_interval
+    # No cap on connections: each one is a request in flight, which the replicas queue.
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
+    )
+
+    # --kv-events: a task per healthy replica following its prefix cache, and how
+    # often the replica had gone down when it started.
+    followers: dict[Replica, tuple[asyncio.Task, int]] = {}
+    # The replicas' key (PAGODA_API_KEY, as `pagoda serve` reads it) guards their events.
+    key = envs.api_key()
+    events_client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0),
+        headers={"Authorization": f"Bearer {key}"} if key else None,
+    )
+
+    def follow_replicas() -> None:
+        """Follow the healthy replicas; one that went down since its follower started
+        (its blocks were forgotten, and the events meanwhile dropped) starts again,
+        from a snapshot."""
+        for replica, (task, times_down) in list(followers.items()):
+            stale = times_down != replica.times_down or not replica.healthy
+            if stale or replica not in router.replicas:
+                task.cancel()
+                del followers[replica]
+        for replica in router.replicas:
+            if replica.healthy and replica not in followers:
+                task = asyncio.create_task(
+                    follow_kv_events(
+                        events_client,
+                        replica.url,
+                        functools.partial(router.apply_kv_events, replica, replica.times_down),
+                        health_check_interval,
+                    )
+                )
+                followers[replica] = (task, replica.times_down)
+
+    async def check_health() -> None:
+        while True:  # never ends but by cancellation: an error skips one round
+            try:
+                if router.replica_set.discover is not None:
+                    await router.replica_set.rediscover()
+                for replica in list(router.replicas):
+                    try:
+                        r = await client.get(replica.url + "/health", timeout=2.0)
+                        router.set_health(replica, r.status_code == 200)
+                    except httpx.HTTPError:
+                        router.set_health(replica, False)
+                if router.config.kv_events:
+                    follow_replicas()
+            except Exception:
+                logger.exception("router: health check failed; next round in %.1f s",
+                                 health_check_interval)  # fmt: skip
+            await asyncio.sleep(health_check_interval)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(check_health())
+        yield
+        tasks = [task, *(t for t, _ in followers.values())]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await client.aclose()
+        await events_client.aclose()
+
+    app = FastAPI(title="pagoda router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health():
+        if any(r.healthy for r in router.replicas):
+            return Response(status_code=200)
+        return _error(503, "no replica is up", "ServiceUnavailableError")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.exposition(), media_type=prom.CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(raw: Request):
+        cards: dict[str, dict] = {}
+        auth = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+        for replica in list(router.replicas):
+            if not replica.healthy:
+                continue
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+                r = await client.get(replica.url + "/v1/models", headers=auth, timeout=5.0)
+                for card in r.json()["data"]:
+                    cards.setdefault(card["id"], card)
+        return {"object": "list", "data": list(cards.values())}
+
+    async def relay(path: str, raw: Request):
+        content = await raw.body()
+        try:
+            body = json.loads(content)
+        except ValueError:
+            body = None
+        hashes = (
+            await asyncio.to_thread(router.block_hashes, body) if isinstance(body, dict) else []
+        )
+        headers = {k: v for k, v in raw.headers.items() if k.lower() not in _HOP_HEADERS}
+        tried: set[Replica] = set()
+        refused: Response | None = None  # the last replica's 503, if every one refused
+        while True:
+            replica = router.choose(hashes, tried)
+            if replica is None:
+                if refused is not None:
+                    return refused
+                return _error(503, "no replica could take the request", "ServiceUnavailableError")
+            tried.add(replica)
+            replica.in_flight += 1
+            # Recorded now, not once the replica answers: the same prefix arriving
+            # meanwhile must find where it went.
+            router.record(hashes, replica)
+            url = replica.url + path + (f"?{raw.url.query}" if raw.url.query else "")
+            response = None
+            try:
+                response = await client.send(
+                    client.build_request("POST", url, content=content, headers=headers),
+                    stream=True,
+                )
+                if response.status_code == 503:
+                    # Nothing started there: the replica is draining (a rolling
+                    # update), dead, or its queue is full. Another one may take it.
+                    body = await response.aread()
+                    refused = Response(body, 503, _relayed_headers(response))
+                    if _error_code(body) != "queue_full":
+                        router.set_health(replica, False)
+                    router.metrics.retries.inc()
+                    await _release(response, replica)
+                    continue
+            except httpx.TransportError as e:  # nothing came back: try another
+                await _release(response, replica)
+                logger.warning("router: %s unreachable (%r); trying another", replica.url, e)
+                router.set_health(replica, False)
+                router.metrics.retries.inc()
+                continue
+            except BaseException:  # cancelled (the caller left, or shutdown), or a bug
+                await _release(response, replica)
+                raise
+            return RelayedResponse(response, replica)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await relay("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await relay("/v1/chat/completions", raw)
+
+    return app
+
+
+def _relayed_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def _error_code(body: bytes) -> str | None:
+    """The `code` of an OpenAI error body, if it is one."""
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+async def _release(response: httpx.Response | None, replica: Replica) -> None:
+    replica.in_flight -= 1
+    if response is not None:
+        await response.aclose()
+
+
+class RelayedResponse(StreamingResponse):
+    """The replica's response as it arrives. However it ends (the body done, the
+    caller gone before or while it streams, an error), the replica's connection is
+    closed, which aborts the request there, and the replica's in-flight count drops
+    exactly once."""
+
+    def __init__(self, response: httpx.Response, replica: Replica) -> None:
+        super().__init__(
+            response.aiter_raw(),
+            status_code=response.status_code,
+            headers=_relayed_headers(response),
+        )
+        self.upstream, self.replica = response, replica
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _release(self.upstream, self.replica)
+
+
+def run_router(config: RouterConfig) -> int:
+    """Serve until SIGTERM (exit status 0)."""
+    router = Router(config, PromptTokenizer.load(config.model))
+    if router.replica_set.discover is not None:
+        asyncio.run(router.replica_set.rediscover())
+    logger.info(
+        "pagoda router: %d replicas (%s), policy %s%s, on http://%s:%d",
+        len(router.replicas),
+        ", ".join(r.url for r in router.replicas),
+        config.policy,
+        " following their KV events" if config.kv_events else "",
+        config.host,
+        config.port,
+    )
+    app = build_app(router)
+    # On SIGTERM, streams in flight get their replicas' shutdown time, then are cut.
+    uvicorn_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=int(config.shutdown_timeout) + 5,
+    )  # fmt: skip
+    server = Server(uvicorn_config, shutdown_timeout=0)  # exits 0 on SIGTERM
+    server.run()
+    return server.exit_code

@@ -1,0 +1,69 @@
+"""Finding a model's files and its tokenizer: torch-free, for processes that never run
+the model (the router)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+
+from pagoda import envs
+
+
+def resolve_model(model: str | None) -> tuple[str, bool]:
+    """(path, is_gguf) for a model name: None (the default), a folder or a .gguf file."""
+    if model is None:
+        from pagoda.model_executor.default_model import default_model_path
+
+        return default_model_path(), True
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model file {model!r} is not a .gguf file.")
+        return model, True
+    if os.path.isdir(model):
+        if os.path.isfile(os.path.join(model, "config.json")):
+            return model, False
+        ggufs = sorted(f for f in os.listdir(model) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return os.path.join(model, ggufs[0]), True
+        raise FileNotFoundError(f"model folder {model!r} has no config.json (nor one .gguf file).")
+    raise FileNotFoundError(
+        f"model {model!r} is not a local folder or .gguf file (pagoda does not download from a hub)."
+    )
+
+
+def load_tokenizer(path: str, is_gguf: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        if not is_gguf:
+            return AutoTokenizer.from_pretrained(path)
+        # Converting a GGUF vocabulary takes seconds; keep the result in the cache folder.
+        cached = tokenizer_cache_dir(path)
+        if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+            return AutoTokenizer.from_pretrained(cached)
+        folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except ValueError as e:
+            if "architecture" not in str(e):
+                raise
+            # transformers reads the file's model config first and knows fewer
+            # architectures than pagoda (granite, smollm3, deepseek2); the vocabulary
+            # itself is a kind it builds (gpt2, llama, ...).
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+        with contextlib.suppress(OSError):  # a read-only cache only costs time
+            tokenizer.save_pretrained(cached)
+        return tokenizer
+    except Exception as e:
+        raise ValueError(f"cannot load the tokenizer of {path!r}: {e}") from e
+
+
+def tokenizer_cache_dir(gguf_path: str) -> str:
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(
+        f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
+    return os.path.join(envs.cache_dir(), "tokenizers", key)
