@@ -45,7 +45,11 @@ at::Tensor moe_combine(at::Tensor out, at::Tensor token_of, at::Tensor pair_weig
 
 namespace {
 
+// The contract with Python, defined here once and registered with the module
+// (bind_decode_loop): pagoda.ops.cpu builds each linear's LinearSpec with these kinds,
+// and decode_loop.py names each layer's activation with Activation.
 enum LinearKind : int64_t { kDense = 0, kBlocks = 1, kPerChannel = 2 };
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 // A linear's LoRA slots (pagoda/lora/manager.py's LinearLoRA), added as Linear.forward adds
 // them: lora_add on the product, with the step's segments.
@@ -54,8 +58,10 @@ struct LoRASlots {
   std::vector<int64_t> offsets;
 };
 
+// A linear as the loop runs it (Python: LinearSpec, built by pagoda.ops.cpu's
+// decode_loop_linear).
 struct Linear {
-  int64_t kind;
+  LinearKind kind;
   at::Tensor w;  // dense [N, K], or the quants (qs)
   c10::optional<at::Tensor> d, m, qh, bias;
   int64_t format;
@@ -109,7 +115,7 @@ struct Layer {
   double scale;
   int64_t window;  // 0: full attention
   double softcap;  // 0: none
-  int64_t activation;  // 0: silu, 1: tanh GELU (the MLP's gate)
+  Activation activation;  // the MLP's gate
   double residual_multiplier;  // 0: none (Granite's)
   c10::optional<at::Tensor> cos, sin;  // this layer's rope table; none: no rotary
   c10::optional<at::Tensor> attn_output_norm, ffn_output_norm;  // Gemma's sandwich norms
@@ -122,8 +128,8 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
   return x.scalar_type() == at::kBFloat16 ? small_gemm(x, w, c10::nullopt) : at::linear(x, w);
 }
 
-at::Tensor activate(const at::Tensor& gate, int64_t activation) {
-  return activation == 1 ? at::gelu(gate, "tanh") : at::silu(gate);
+at::Tensor activate(const at::Tensor& gate, Activation activation) {
+  return activation == kGeluTanh ? at::gelu(gate, "tanh") : at::silu(gate);
 }
 
 }  // namespace
@@ -132,12 +138,9 @@ class DecodeLoop {
  public:
   DecodeLoop(double eps, at::Tensor final_norm) : eps_(eps), final_norm_(final_norm) {}
 
-  int64_t add_linear(int64_t kind, at::Tensor w, c10::optional<at::Tensor> d,
-                     c10::optional<at::Tensor> m, c10::optional<at::Tensor> qh, int64_t format,
-                     c10::optional<at::Tensor> bias) {
-    TORCH_CHECK(kind >= kDense && kind <= kPerChannel, "unknown linear kind ", kind);
-    TORCH_CHECK(kind == kDense || d.has_value(), "a quantized linear needs its scales");
-    linears_.push_back({kind, w, d, m, qh, bias, format});
+  int64_t add_linear(const Linear& spec) {
+    TORCH_CHECK(spec.kind == kDense || spec.d.has_value(), "a quantized linear needs its scales");
+    linears_.push_back(spec);
     return static_cast<int64_t>(linears_.size()) - 1;
   }
 
@@ -149,14 +152,13 @@ class DecodeLoop {
 
   void add_layer(int64_t qkv, int64_t o, int64_t gate_up, int64_t down, at::Tensor input_norm,
                  at::Tensor ffn_norm, at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads,
-                 double scale, int64_t window, double softcap, int64_t activation,
+                 double scale, int64_t window, double softcap, Activation activation,
                  double residual_multiplier) {
     const int64_t n = static_cast<int64_t>(linears_.size());
     for (int64_t i : {qkv, o}) TORCH_CHECK(i >= 0 && i < n, "no linear ", i);
     for (int64_t i : {gate_up, down}) TORCH_CHECK(i >= -1 && i < n, "no linear ", i);
     TORCH_CHECK(k_cache.dim() == 4 && num_heads % k_cache.size(2) == 0,
                 "k_cache must be [blocks, block_size, KVH, D] with KVH dividing the heads");
-    TORCH_CHECK(activation == 0 || activation == 1, "unknown activation ", activation);
     layers_.push_back({qkv, o, gate_up, down, input_norm, ffn_norm, k_cache, v_cache, num_heads,
                        k_cache.size(2), k_cache.size(3), scale, window, softcap, activation,
                        residual_multiplier, c10::nullopt, c10::nullopt, c10::nullopt,
@@ -318,10 +320,26 @@ class DecodeLoop {
 #include <torch/extension.h>
 
 void bind_decode_loop(py::module_& m) {
+  py::enum_<LinearKind>(m, "LinearKind")
+      .value("DENSE", kDense)          // small_gemm (bf16) or F.linear (float32)
+      .value("BLOCKS", kBlocks)        // quant_linear on GGUF blocks
+      .value("PER_CHANNEL", kPerChannel);  // int8_linear_small (w8a8)
+  py::enum_<Activation>(m, "Activation").value("SILU", kSilu).value("GELU_TANH", kGeluTanh);
+  py::class_<Linear>(m, "LinearSpec")
+      .def(py::init([](LinearKind kind, at::Tensor w, c10::optional<at::Tensor> d,
+                       c10::optional<at::Tensor> m, c10::optional<at::Tensor> qh, int64_t format,
+                       c10::optional<at::Tensor> bias) {
+             return Linear{kind, w, d, m, qh, bias, format, c10::nullopt};
+           }),
+           py::kw_only(), py::arg("kind"), py::arg("w"), py::arg("d") = py::none(),
+           py::arg("m") = py::none(), py::arg("qh") = py::none(), py::arg("format") = 0,
+           py::arg("bias") = py::none())
+      .def_readonly("kind", &Linear::kind)
+      .def_readonly("w", &Linear::w)
+      .def_readonly("format", &Linear::format);
   py::class_<DecodeLoop>(m, "DecodeLoop")
       .def(py::init<double, at::Tensor>(), py::arg("eps"), py::arg("final_norm"))
-      .def("add_linear", &DecodeLoop::add_linear, py::arg("kind"), py::arg("w"), py::arg("d"),
-           py::arg("m"), py::arg("qh"), py::arg("format"), py::arg("bias"))
+      .def("add_linear", &DecodeLoop::add_linear, py::arg("spec"))
       .def("set_lora", &DecodeLoop::set_lora, py::arg("linear"), py::arg("a"), py::arg("b"),
            py::arg("ranks"), py::arg("offsets"))
       .def("add_layer", &DecodeLoop::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -15,22 +15,19 @@ from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.stats import EngineSnapshot, IterationStats, SchedulerStats
 from pagoda.core.structured_output import GrammarCompiler
+from pagoda.engine.failure_isolation import FailureIsolation, StepInFlight
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor, PromptType
 from pagoda.engine_args import EngineArgs
 from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.lora.request import LoRARequest
-from pagoda.model_executor.model_loader import load_tokenizer
+from pagoda.model_executor.model_files import load_tokenizer
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-# Steps in a row in which a lone request failed (not by its own input) before the
-# engine gives up: a fault that hits whatever runs is the engine's, not a request's.
-_MAX_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -63,7 +60,11 @@ class LLMEngine:
                 )
         else:
             self.model_runner = ModelRunner(
-                model_config, cache_config, self.lora_config, config.draft_model, config.device
+                model_config,
+                cache_config,
+                self.lora_config,
+                config.draft_model,
+                device_config=config.device,
             )
         try:
             self._build_around_runner()
@@ -132,11 +133,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # Objects with record(IterationStats), called after each step and abort (metrics).
         self.stat_loggers: list = []
-        # Pipeline parallel: as many steps in flight as stages, so none sits idle; each
-        # [scheduler output, its outcome once taken early (see _collect_oldest)].
+        # Pipeline parallel: as many steps in flight as stages, so none sits idle.
         self._pipeline_depth = self.parallel_config.pipeline_parallel_size
-        self._steps_in_flight: deque[list] = deque()
-        self._num_failed_steps = 0  # consecutive steps where a request failed on its own
+        self._steps_in_flight: deque[StepInFlight] = deque()
+        self.failures = FailureIsolation(
+            self.scheduler, self.output_processor, self._steps_in_flight
+        )
         self._loras_to_remove: set[int] = set()  # removed while requests still used them
         logger.info(
             "pagoda engine: model %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens in flight, "
@@ -233,10 +235,12 @@ class LLMEngine:
             self.model_runner.move_blocks(scheduler_output)
         if scheduler_output is not None and not scheduler_output.is_empty:
             if self._pipeline_depth == 1:
-                runner_output, failures = self._execute(scheduler_output)
+                runner_output, failures = self.failures.execute(
+                    scheduler_output, self.model_runner.execute_model
+                )
                 return outputs + self._update(scheduler_output, runner_output, failures)
             self.model_runner.submit(scheduler_output)
-            self._steps_in_flight.append([scheduler_output, None])
+            self._steps_in_flight.append(StepInFlight(scheduler_output))
             if len(self._steps_in_flight) < self._pipeline_depth:
                 return outputs  # the first stage starts on the next step meanwhile
         if not self._steps_in_flight:
@@ -248,19 +252,20 @@ class LLMEngine:
         """Pipeline parallel: the oldest step in flight, its output and failures. If it
         failed, the later steps' outcomes are taken first (they are held), so that
         the retries that find the failing requests run alone."""
-        sched, outcome = self._steps_in_flight.popleft()
-        if outcome is None:
-            outcome = self._receive()
+        step = self._steps_in_flight.popleft()
+        outcome = step.outcome if step.outcome is not None else self._receive()
 
         def first(_: SchedulerOutput) -> ModelRunnerOutput:
             if isinstance(outcome, BaseException):
-                for entry in self._steps_in_flight:
-                    if entry[1] is None:
-                        entry[1] = self._receive()
+                for later in self._steps_in_flight:
+                    if later.outcome is None:
+                        later.outcome = self._receive()
                 raise outcome
             return outcome
 
-        return sched, *self._execute(sched, first)
+        return step.sched, *self.failures.execute(
+            step.sched, self.model_runner.execute_model, first
+        )
 
     def _receive(self) -> ModelRunnerOutput | Exception:
         try:
@@ -280,7 +285,10 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         if failures:
-            scheduler_output, failed_outputs = self._fail(scheduler_output, failures, now)
+            scheduler_output, failed_outputs, stats = self.failures.end_failed(
+                scheduler_output, failures, now
+            )
+            self._record(stats)
             outputs += failed_outputs
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         progressed, stopped, failed, stats = self.output_processor.process_outputs(
@@ -292,109 +300,6 @@ class LLMEngine:
             self._remove_unused_loras()
         self._record(stats)
         return outputs + progressed
-
-    def _execute(
-        self,
-        sched: SchedulerOutput,
-        first: Callable[[SchedulerOutput], ModelRunnerOutput] | None = None,
-    ) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
-        """Run the step (`first`: how, if not `execute_model`); if it raises, run halves of
-        it again (recursively) to find the requests that fail on their own. Returns
-        (merged output, child id -> error)."""
-        try:
-            output = (first or self.model_runner.execute_model)(sched)
-            self._num_failed_steps = 0
-            return output, {}
-        except EngineDeadError:  # a worker process died: no request is to blame
-            raise
-        except Exception as e:
-            if len(sched.scheduled) > 1:
-                logger.warning(
-                    "a step of %d requests failed (%r); running them apart to find which",
-                    len(sched.scheduled),
-                    e,
-                )
-            first_error = e
-        results: list[ModelRunnerOutput] = []
-        failures: dict[str, BaseException] = {}
-
-        def run(part: list, known_to_fail: bool) -> None:
-            """Run `part` (again); if it fails, each half: a lone request that fails owns
-            its error."""
-            if not known_to_fail:
-                try:
-                    results.append(self.model_runner.execute_model(replace(sched, scheduled=part)))
-                    return
-                except EngineDeadError:
-                    raise
-                except Exception as e:
-                    if len(part) == 1:
-                        failures[part[0].request_id] = e
-                        return
-            for half in (part[: len(part) // 2], part[len(part) // 2 :]):
-                run(half, False)
-
-        # A request aborted while this step was in flight (pipeline parallel) is not run
-        # again: its blocks may be another request's by now.
-        live = [s for s in sched.scheduled if s.request_id in self.scheduler.requests]
-        if len(live) == len(sched.scheduled) == 1:
-            failures[live[0].request_id] = first_error
-        elif live:
-            run(live, known_to_fail=len(live) == len(sched.scheduled))
-        # Decide by user requests, not completions: one request with n = 4 whose sampling
-        # fails is one request failing alone.
-        op = self.output_processor
-        failed = {op.parent_id(cid) for cid in failures}
-        scheduled = {op.parent_id(s.request_id) for s in live}
-        real_failures = [e for e in failures.values() if not isinstance(e, InvalidRequestError)]
-        self._num_failed_steps = self._num_failed_steps + 1 if real_failures else 0
-        # Requests that all failed by their own input (say, the same unreadable adapter)
-        # say nothing against the engine.
-        if (
-            failed == scheduled
-            and real_failures
-            and (len(failed) > 1 or self._num_failed_steps >= _MAX_FAILED_STEPS)
-        ):
-            raise EngineDeadError(
-                f"every request of the step failed ({len(failed)}): {first_error!r}"
-            ) from first_error
-        for request_id, error in failures.items():
-            logger.error("request %s failed in its step: %r", request_id, error, exc_info=error)
-        return ModelRunnerOutput.merge(results), failures
-
-    def _fail(
-        self, sched: SchedulerOutput, failures: dict[str, BaseException], now: float
-    ) -> tuple[SchedulerOutput, list[RequestOutput]]:
-        """End the requests that own the failed children (all their completions), free
-        their blocks, and drop them from the step's results. The blocks they allocated
-        for the step may hold nothing valid: another request of the step that shares one
-        (a same-step prefix hit) goes back to compute its tokens again."""
-        op = self.output_processor
-        by_parent = {op.parent_id(cid): error for cid, error in failures.items()}
-        ended = {cid for parent in by_parent for cid in op.child_ids(parent)}
-        suspect = self.scheduler.fail_requests(ended)
-        retry = {
-            s.request_id
-            for s in sched.scheduled
-            if s.request_id not in ended and suspect.intersection(s.block_ids)
-        }
-        for entry in self._steps_in_flight:  # later steps may have found them cached too
-            later = {s.request_id for s in entry[0].scheduled if suspect.intersection(s.block_ids)}
-            if later:
-                kept = [s for s in entry[0].scheduled if s.request_id not in later]
-                entry[0] = replace(entry[0], scheduled=kept)
-                retry |= later
-        self.scheduler.recompute_requests(retry)
-        outputs, stats = op.fail_requests(
-            {
-                parent: (f"the request failed: {error!r}", isinstance(error, InvalidRequestError))
-                for parent, error in by_parent.items()
-            },
-            now,
-        )
-        self._record(stats)
-        remaining = [s for s in sched.scheduled if s.request_id not in ended | retry]
-        return replace(sched, scheduled=remaining), outputs
 
     def _fail_grammars(self, failures: dict[str, str]) -> list[RequestOutput]:
         """End the requests whose grammar failed to compile (all their completions)."""

@@ -20,6 +20,7 @@ from pagoda.model_executor.layers.fused_moe import SparseMoeBlock
 from pagoda.model_executor.layers.linear import Linear
 from pagoda.model_executor.layers.mlp import ACTIVATIONS, GatedMLP
 from pagoda.model_executor.layers.self_attention import SelfAttention
+from pagoda.ops import cpu
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class _Builder:
         self.model = model
         self.ops = model.ops
         self.loop = model.ops.decode_loop(model.norm.eps, model.norm.weight)
+        self.kernels = cpu.load()  # the loop's module: its enums
         self.max_rows: int | None = None
 
     def build(self):
@@ -68,9 +70,9 @@ class _Builder:
         spec = self.ops.decode_loop_linear(linear.weight, linear.qweight, linear.bias)
         if spec is None:
             raise _Unsupported("a linear's format has no small-batch kernel here")
-        args, rows = spec
+        linear_spec, rows = spec
         self._rows(rows)
-        index = self.loop.add_linear(*args)
+        index = self.loop.add_linear(linear_spec)
         if linear.lora is not None:  # adapter slots, added as ops.add_lora adds them
             if not self.ops.decode_loop_lora:
                 raise _Unsupported("LoRA without its C++ kernel")
@@ -94,12 +96,14 @@ class _Builder:
         gate_up = self._linear(mlp.gate_up_proj) if dense else -1
         down = self._linear(mlp.down_proj) if dense else -1
         params = attn.attn.params
+        activation = ACTIVATIONS[mlp.activation][1] if dense else "silu"  # (unused for experts)
         self.loop.add_layer(
-            qkv, o, gate_up, down,
-            layer.input_layernorm.weight, layer.ffn_norm.weight, kv.k, kv.v,
-            attn.num_heads, params.scale, params.window, params.softcap,
-            ACTIVATIONS[mlp.activation][1] if dense else 0,
-            layer.residual_multiplier or 0.0,
+            qkv=qkv, o=o, gate_up=gate_up, down=down,
+            input_norm=layer.input_layernorm.weight, ffn_norm=layer.ffn_norm.weight,
+            k_cache=kv.k, v_cache=kv.v, num_heads=attn.num_heads, scale=params.scale,
+            window=params.window, softcap=params.softcap,
+            activation=getattr(self.kernels.Activation, activation.upper()),
+            residual_multiplier=layer.residual_multiplier or 0.0,
         )  # fmt: skip
         if attn.rotary_emb is not None:
             self.loop.set_rope(attn.rotary_emb.cos, attn.rotary_emb.sin)
@@ -131,7 +135,7 @@ class _Builder:
             for _, rows in specs:
                 self._rows(rows)
             if quantized is not None:
-                expert_linears[part] = [self.loop.add_linear(*args) for args, _ in specs]
+                expert_linears[part] = [self.loop.add_linear(spec) for spec, _ in specs]
         shared = [-1, -1, -1]
         if mlp.shared_expert is not None:
             shared_mlp = mlp.shared_expert

@@ -16,6 +16,8 @@ import os
 import torch
 
 from pagoda.model_executor.quantization import PER_CHANNEL, QuantizedWeight
+from pagoda.ops import torch_ops
+from pagoda.ops.base import Ops
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +127,6 @@ DECODE_LOOP_MAX_ROWS = 16
 
 def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
     """The `Ops` with the C++ kernels for a model in `dtype`, or None if they cannot serve it."""
-    from pagoda.ops import Ops, torch_ops
-
     module = load()
     if module is None or dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -183,24 +183,27 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
         return linear(x, dense, bias)
 
     def decode_loop_linear(weight: torch.Tensor | None, qweight, bias):
-        """(the C++ decode loop's arguments for a linear, the most rows at which it runs
+        """(the C++ decode loop's LinearSpec for a linear, the most rows at which it runs
         it exactly as `linear`/`quant_linear` above do), or None if it cannot."""
+        kinds, spec = module.LinearKind, module.LinearSpec
         if qweight is None:
             if weight.dtype == torch.bfloat16:
-                return (
-                    None
-                    if small_gemm is None
-                    else ((0, weight, None, None, None, 0, bias), SMALL_GEMM_MAX_ROWS)
-                )
-            return (0, weight, None, None, None, 0, bias), DECODE_LOOP_MAX_ROWS
+                if small_gemm is None:
+                    return None
+                return spec(kind=kinds.DENSE, w=weight, bias=bias), SMALL_GEMM_MAX_ROWS
+            return spec(kind=kinds.DENSE, w=weight, bias=bias), DECODE_LOOP_MAX_ROWS
         if qweight.format == PER_CHANNEL:
             if not int8_small:
                 return None
-            return (2, qweight.qs, qweight.d, None, None, 0, bias), INT8_SMALL_MAX_ROWS
+            per_channel = spec(kind=kinds.PER_CHANNEL, w=qweight.qs, d=qweight.d, bias=bias)
+            return per_channel, INT8_SMALL_MAX_ROWS
         if not on_blocks:
             return None
-        args = (1, qweight.qs, qweight.d, qweight.m, qweight.qh, qweight.format_code, bias)
-        return args, min(QUANT_LINEAR_MAX_ROWS, DECODE_LOOP_MAX_ROWS)
+        blocks = spec(
+            kind=kinds.BLOCKS, w=qweight.qs, d=qweight.d, m=qweight.m, qh=qweight.qh,
+            format=qweight.format_code, bias=bias,
+        )  # fmt: skip
+        return blocks, min(QUANT_LINEAR_MAX_ROWS, DECODE_LOOP_MAX_ROWS)
 
     add_lora = torch_ops.add_lora
     if module.lora_add_available():

@@ -26,13 +26,8 @@ from pagoda.attention.kv_cache import PagedKVCache
 from pagoda.config import MAX_SPECULATIVE_TOKENS, ModelConfig
 from pagoda.core.sched_output import ScheduledRequest
 from pagoda.ops import Ops
-from pagoda.worker.model_runner import (
-    attach_kv_cache,
-    is_decode,
-    kv_cache_shape,
-    load_model,
-    prepare_inputs,
-)
+from pagoda.worker.inputs import is_decode, prepare_inputs
+from pagoda.worker.model_setup import attach_kv_cache, kv_cache_shape, load_model
 
 logger = logging.getLogger(__name__)
 

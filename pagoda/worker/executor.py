@@ -38,6 +38,14 @@ from pagoda import envs
 from pagoda.config import CacheConfig, ModelConfig, ParallelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.errors import EngineDeadError
+from pagoda.worker.messages import (
+    ExecuteModel,
+    MoveBlocks,
+    WorkerCall,
+    WorkerInfo,
+    WorkerReply,
+    WorkerSetup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,20 +95,20 @@ class Worker:
             model_config, cache_config, None, draft_model_config, parallel=self.context
         )
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> WorkerInfo:
         """What the engine reads off its runner (the same on every rank)."""
         runner = self.runner
-        return {
-            "num_blocks": runner.num_blocks,
-            "num_host_blocks": runner.num_host_blocks,
-            "kv_cache_dtype_name": runner.kv_cache_dtype_name,
-            "vocab_size": runner.vocab_size,
-            "bytes_per_block": self.context.sum_over_workers(runner.bytes_per_block),
-            "kv_expanded_bytes_per_token": self.context.sum_over_workers(
+        return WorkerInfo(
+            num_blocks=runner.num_blocks,
+            num_host_blocks=runner.num_host_blocks,
+            kv_cache_dtype_name=runner.kv_cache_dtype_name,
+            vocab_size=runner.vocab_size,
+            bytes_per_block=self.context.sum_over_workers(runner.bytes_per_block),
+            kv_expanded_bytes_per_token=self.context.sum_over_workers(
                 runner.kv_expanded_bytes_per_token
             ),
-            "sliding_window": runner.sliding_window,
-        }
+            sliding_window=runner.sliding_window,
+        )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output on the driver; None on the other ranks.
@@ -137,14 +145,14 @@ class Executor:
     lora_manager = None  # LoRA is not split across workers (EngineArgs refuses it)
     decode_loop_max_rows = 0  # the C++ decode loop runs no collectives
 
-    def _set_info(self, info: dict[str, Any]) -> None:
-        self.num_blocks = info["num_blocks"]
-        self.num_host_blocks = info["num_host_blocks"]
-        self.kv_cache_dtype_name = info["kv_cache_dtype_name"]
-        self.vocab_size = info["vocab_size"]
-        self.bytes_per_block = info["bytes_per_block"]  # all shards of one block
-        self.kv_expanded_bytes_per_token = info["kv_expanded_bytes_per_token"]
-        self.sliding_window = info["sliding_window"]
+    def _set_info(self, info: WorkerInfo) -> None:
+        self.num_blocks = info.num_blocks
+        self.num_host_blocks = info.num_host_blocks
+        self.kv_cache_dtype_name = info.kv_cache_dtype_name
+        self.vocab_size = info.vocab_size
+        self.bytes_per_block = info.bytes_per_block  # all shards of one block
+        self.kv_expanded_bytes_per_token = info.kv_expanded_bytes_per_token
+        self.sliding_window = info.sliding_window
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(sched)
@@ -197,11 +205,11 @@ class MultiprocExecutor(Executor):
                 self.workers.append(proc)
                 self.sentinels.append(os.pidfd_open(proc.pid))
                 self.conns.append(connection.Connection(ours.detach()))
-                setup = (rank, parallel, share, num_threads, store, self._shm_dir, os.getpid())
-                configs = (model_config, cache_config, draft_model_config)
-                self.conns[-1].send_bytes(
-                    pickle.dumps((setup, configs), protocol=pickle.HIGHEST_PROTOCOL)
-                )
+                setup = WorkerSetup(
+                    rank, parallel, share, num_threads, store, self._shm_dir, os.getpid(),
+                    model_config, cache_config, draft_model_config,
+                )  # fmt: skip
+                self.conns[-1].send_bytes(pickle.dumps(setup, protocol=pickle.HIGHEST_PROTOCOL))
                 logger.info("worker %d: pid %d on cores %s", rank, proc.pid, share)
             # A rank that fails to start leaves its peers waiting in a collective: the
             # first error stops them all.
@@ -214,7 +222,7 @@ class MultiprocExecutor(Executor):
         """Start a step; `collect` returns its output. Steps submitted before are
         collected first: with pipeline parallel, stage 0 starts this one while later
         stages finish those."""
-        self._send("execute_model", sched)
+        self._send(ExecuteModel(sched))
 
     def collect(self) -> ModelRunnerOutput:
         """The output of the oldest submitted step not yet collected."""
@@ -224,10 +232,10 @@ class MultiprocExecutor(Executor):
         """The step's swaps and copies, done by each worker before its next step (no
         answer: a worker that fails them exits, and the engine with it)."""
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in or sched.blocks_to_copy:
-            self._send("move_blocks", sched)
+            self._send(MoveBlocks(sched))
 
-    def _send(self, method: str, sched: SchedulerOutput) -> None:
-        message = pickle.dumps((method, sched), protocol=pickle.HIGHEST_PROTOCOL)
+    def _send(self, call: WorkerCall) -> None:
+        message = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(message)
@@ -254,17 +262,17 @@ class MultiprocExecutor(Executor):
                     continue
                 rank = next(r for r, c in waiting.items() if c is obj)
                 try:
-                    ok, value = pickle.loads(obj.recv_bytes())
+                    reply: WorkerReply = pickle.loads(obj.recv_bytes())
                 except (EOFError, OSError) as e:
                     raise self._dead(rank) from e
                 del waiting[rank]
-                if ok:
-                    results[rank] = value
-                elif fail_fast or isinstance(value, EngineDeadError):
+                if reply.error is None:
+                    results[rank] = reply.value
+                elif fail_fast or isinstance(reply.error, EngineDeadError):
                     self.shutdown(grace_s=0)
-                    raise value
+                    raise reply.error
                 else:
-                    errors.append(value)
+                    errors.append(reply.error)
         if errors:
             raise errors[0]
         return results
@@ -315,42 +323,42 @@ def _worker_main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle
     conn = connection.Connection(fd)
     try:
-        setup, (model_config, cache_config, draft_model_config) = pickle.loads(conn.recv_bytes())
+        setup: WorkerSetup = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return
-    rank, parallel, cores, num_threads, store, shm_dir, engine_pid = setup
-    if os.getppid() != engine_pid:  # the engine died before prctl
+    rank = setup.rank
+    if os.getppid() != setup.engine_pid:  # the engine died before prctl
         return
-    os.sched_setaffinity(0, cores)
+    os.sched_setaffinity(0, setup.cores)
     try:
         worker = Worker(
             rank,
-            parallel,
-            f"file://{store}",
-            shm_dir,
-            num_threads,
-            model_config,
-            cache_config,
-            draft_model_config,
+            setup.parallel,
+            f"file://{setup.store}",
+            setup.shm_dir,
+            setup.num_threads,
+            setup.model_config,
+            setup.cache_config,
+            setup.draft_model_config,
         )
-        _reply(conn, True, worker.info())
+        _reply(conn, WorkerReply(worker.info()))
     except BaseException as e:
-        _reply(conn, False, e)
+        _reply(conn, WorkerReply(error=e))
         return
     inbox = _read_messages(conn)
     while (message := inbox.get()) is not None:  # None: the engine is gone or done
-        method, sched = pickle.loads(message)
-        if method == "move_blocks":
+        call: WorkerCall = pickle.loads(message)
+        if isinstance(call, MoveBlocks):
             try:
-                worker.move_blocks(sched)
+                worker.move_blocks(call.sched)
             except BaseException:  # the KV cache is not what the scheduler thinks
                 logger.exception("worker %d: moving blocks failed", rank)
                 os._exit(1)
             continue
         try:
-            _reply(conn, True, worker.execute_model(sched))
+            _reply(conn, WorkerReply(worker.execute_model(call.sched)))
         except Exception as e:
-            _reply(conn, False, e)
+            _reply(conn, WorkerReply(error=e))
     worker.close()
 
 
@@ -373,17 +381,17 @@ def _read_messages(conn: connection.Connection) -> queue.SimpleQueue:
     return inbox
 
 
-def _reply(conn: connection.Connection, ok: bool, value: Any) -> None:
-    """Send (ok, value); an error that does not survive pickling goes as a RuntimeError
+def _reply(conn: connection.Connection, reply: WorkerReply) -> None:
+    """Send the reply; an error that does not survive pickling goes as a RuntimeError
     carrying its traceback."""
     try:
-        data = pickle.dumps((ok, value), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         pickle.loads(data)
     except Exception:
-        if ok:
+        if reply.error is None:
             raise
-        text = "".join(traceback.format_exception(value))
-        data = pickle.dumps((False, RuntimeError(f"in a worker: {text}")))
+        text = "".join(traceback.format_exception(reply.error))
+        data = pickle.dumps(WorkerReply(error=RuntimeError(f"in a worker: {text}")))
     with contextlib.suppress(OSError):  # the engine is gone
         conn.send_bytes(data)
 

@@ -22,6 +22,8 @@ from pagoda.attention.context import AttentionMetadata, forward_context
 from pagoda.attention.kv_cache import PagedKVCache
 from pagoda.config import DeviceConfig
 from pagoda.core.sched_output import ScheduledRequest
+from pagoda.worker.inputs import prepare_inputs
+from pagoda.worker.model_setup import attach_kv_cache, kv_cache_shape
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,6 @@ def gpu_kv_budget(
     `max_model_len`, over a throwaway cache) with float32 logits and their log-softmax
     at every position (what prompt logprobs of a whole step take: the worst case).
     Raises ValueError when nothing is left."""
-    from pagoda.worker.model_runner import attach_kv_cache, kv_cache_shape, prepare_inputs
 
     device = next(model.parameters()).device
     gc.collect()  # engines dropped earlier in this process (in cycles) free their memory first

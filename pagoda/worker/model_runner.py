@@ -8,28 +8,33 @@ samples, and copies back exactly the sampled ids.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from pagoda.attention.context import AttentionMetadata, forward_context
-from pagoda.attention.kv_cache import KV_CACHE_DTYPES, KVShape, PagedKVCache, SwapPool
+from pagoda.attention.context import forward_context
+from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache, SwapPool
 from pagoda.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.lora.manager import LoRAManager
-from pagoda.model_executor import model_loader
-from pagoda.model_executor.layers.attention import Attention
-from pagoda.model_executor.models import model_class
 from pagoda.ops import select_ops
 from pagoda.sample.sampler import SamplingTensors, compute_logprobs, sample
+from pagoda.worker.draft_model import DraftModel
+from pagoda.worker.gpu import CUDAGraphRunner, gpu_kv_budget
+from pagoda.worker.inputs import is_decode, prepare_inputs
+from pagoda.worker.model_setup import (
+    DTYPES,
+    attach_kv_cache,
+    common_window,
+    expanded_kv_bytes_per_token,
+    kv_cache_shape,
+    load_model,
+)
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -59,7 +64,7 @@ class ModelRunner:
         self.model_config = model_config
         self.parallel = parallel
         self.block_size = cache_config.block_size
-        self.dtype = _DTYPES[model_config.dtype]
+        self.dtype = DTYPES[model_config.dtype]
         self.device = torch.device(device_config.device)
         cfg = model_config.hf_config
         self.vocab_size = cfg["vocab_size"]
@@ -69,8 +74,6 @@ class ModelRunner:
         self.model = load_model(model_config, self.ops, parallel).to(self.device)
         self.drafter = None  # speculative method "draft": its model and KV pool
         if draft_model_config is not None:
-            from pagoda.worker.draft_model import DraftModel  # it imports this module
-
             self.drafter = DraftModel(draft_model_config, self.ops, self.block_size)
         self.lora_manager = (
             LoRAManager(
@@ -84,8 +87,6 @@ class ModelRunner:
         )
         budget = cache_config.kv_cache_memory_bytes
         if budget is None:  # a GPU: what gpu_memory_utilization leaves
-            from pagoda.worker.gpu import gpu_kv_budget
-
             budget = gpu_kv_budget(
                 self.model, device_config, model_config.max_model_len, self.block_size
             )
@@ -111,8 +112,6 @@ class ModelRunner:
         self.cuda_graphs = None
         # (The Triton backend's: the PyTorch twins' attention is not graph-safe.)
         if self.device.type == "cuda" and not model_config.enforce_eager and self.ops.attention:
-            from pagoda.worker.gpu import CUDAGraphRunner
-
             self.cuda_graphs = CUDAGraphRunner(
                 self.model,
                 device_config.max_num_seqs,
@@ -337,59 +336,6 @@ class ModelRunner:
         return prepare_inputs(reqs, self.block_size, self.device)
 
 
-def prepare_inputs(
-    reqs: list[ScheduledRequest], block_size: int, device: torch.device = torch.device("cpu")
-):
-    """Flat inputs and attention metadata for `reqs`, decodes first: (input_ids,
-    positions, metadata, cu_q: each request's first row and the end). Built on the
-    host; what the model reads is then copied to `device` (cu_q stays on the host)."""
-    bs = block_size
-    query_lens = torch.tensor([len(r.token_ids) for r in reqs])
-    context_lens = torch.tensor([r.num_computed_tokens for r in reqs])
-    cu_q = torch.zeros(len(reqs) + 1, dtype=torch.int64)
-    torch.cumsum(query_lens, 0, out=cu_q[1:])
-    max_blocks = max(len(r.block_ids) for r in reqs)
-    block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
-    block_tables.clamp_(min=0)  # blocks behind every window (NO_BLOCK): never read
-    input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in reqs)))
-    num_tokens = input_ids.shape[0]
-    # Per token: which request, and its position within that request's sequence.
-    req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
-    positions = torch.arange(num_tokens) - cu_q[req_idx] + context_lens[req_idx]
-    slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
-    # Decode rows are tokens: a request's drafts are decodes at successive positions,
-    # each seeing the context up to itself, exactly as decoding them one by one would.
-    num_decode_reqs = sum(1 for r in reqs if is_decode(r))
-    num_decodes = int(cu_q[num_decode_reqs])
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        num_decodes=num_decodes,
-        decode_block_tables=block_tables[req_idx[:num_decodes]],
-        decode_seq_lens=positions[:num_decodes] + 1,
-        prefill_query_starts=cu_q[num_decode_reqs:-1].tolist(),
-        prefill_query_lens=query_lens[num_decode_reqs:].tolist(),
-        prefill_context_lens=context_lens[num_decode_reqs:].tolist(),
-        prefill_block_tables=[
-            block_tables[i, : len(reqs[i].block_ids)] for i in range(num_decode_reqs, len(reqs))
-        ],
-        prefill_starts=cu_q[num_decode_reqs:-1],
-        prefill_lens=query_lens[num_decode_reqs:],
-        prefill_contexts=context_lens[num_decode_reqs:],
-        prefill_tables=block_tables[num_decode_reqs:],
-    )
-    if device.type != "cpu":
-        # (From pageable memory an asynchronous copy is staged at once: no wait for
-        # the device, and the host tensors may go.)
-        input_ids = input_ids.to(device, non_blocking=True)
-        positions = positions.to(device, non_blocking=True)
-        meta = meta.to(device)
-    return input_ids, positions, meta, cu_q
-
-
-def is_decode(r: ScheduledRequest) -> bool:
-    return len(r.token_ids) == 1 or r.num_draft_tokens > 0
-
-
 def _draft_rows(r: ScheduledRequest) -> list[ScheduledRequest]:
     """The request as its sampler sees it at each drafted position: position j follows
     drafts 0..j-1, as if they had been accepted (penalties, min_tokens, bad words and a
@@ -418,65 +364,3 @@ def _num_accepted(r: ScheduledRequest, sampled: list[int]) -> int:
     while n < len(drafts) and drafts[n] == sampled[n]:
         n += 1
     return n
-
-
-def load_model(mc: ModelConfig, ops, parallel: ParallelContext = SINGLE) -> torch.nn.Module:
-    # Built with uninitialized (so never touched, never resident) float32 weights; each
-    # gets its storage as it loads, in the model's dtype or in its quantized blocks.
-    # (Not the meta device: its first use imports about 70 MiB of Python.)
-    cls = model_class(mc.architecture)
-    cfg = {**mc.hf_config, "max_model_len": mc.max_model_len}  # the rope tables' length
-    model = cls(cfg, ops) if parallel is SINGLE else cls(cfg, ops, parallel)
-    weights = model_loader.iter_weights(
-        mc.path, mc.is_gguf, mc.hf_config, mc.quantization, mc.keep_full_precision
-    )
-    model.load_weights(weights, _DTYPES[mc.dtype])
-    _release_free_memory()  # the loader's scratch (file parses, repacking) goes back
-    return model.eval()
-
-
-def kv_cache_shape(model: torch.nn.Module) -> KVShape:
-    """What a model's paged cache holds: its attention layers', all alike."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    first = layers[0]
-    return KVShape(len(layers), first.num_kv_heads, first.head_dim, first.num_kv)
-
-
-def common_window(model: torch.nn.Module) -> int | None:
-    """The largest sliding window if every attention layer of the whole model has one
-    (read from its configs: a pipeline stage holds some layers only), else None."""
-    decoder = getattr(model, "decoder", None) or getattr(
-        getattr(model, "language_model", None), "decoder", None
-    )
-    if decoder is None:
-        return None
-    windows = [layer.attention.sliding_window for layer in decoder.layers]
-    return max(windows) if windows and all(windows) else None
-
-
-def expanded_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int | None:
-    """What the K and V of every head of every layer take per token in `dtype` where
-    the cache holds latent rows instead (MLA), else None."""
-    from pagoda.model_executor.layers.mla import MLAttention
-
-    layers = [m for m in model.modules() if isinstance(m, MLAttention)]
-    if not layers:
-        return None
-    size = torch.tensor([], dtype=dtype).element_size()
-    return sum(layer.kv_bytes_per_token(size)[1] for layer in layers)
-
-
-def attach_kv_cache(model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
-    for i, layer in enumerate(m for m in model.modules() if isinstance(m, Attention)):
-        layer.kv = kv_cache.layer(i)
-
-
-def _release_free_memory() -> None:
-    """Ask glibc to return freed heap pages to the OS (about 25 MiB after a GGUF load)."""
-    import contextlib
-    import ctypes
-    import gc
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
-        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -259,7 +259,7 @@ def test_masks_and_bias(tiny_llama):
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words=[word]),
         use_tqdm=False,
     )[0]
-    for ids in llm.llm_engine.processor._bad_words([word]):
+    for ids in llm.llm_engine.processor.validator._bad_words([word]):
         if len(ids) == 1:
             assert ids[0] not in banned.outputs[0].token_ids
 

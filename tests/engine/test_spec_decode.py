@@ -56,7 +56,7 @@ def test_propose_ngram():
 )
 def test_bad_speculative_config(spec, message):
     with pytest.raises(ValueError, match=message):
-        EngineArgs(speculative_config=spec)._verify()
+        EngineArgs(speculative_config=spec).verify()
     assert SpeculativeConfig.from_dict({}).method == "ngram"
 
 

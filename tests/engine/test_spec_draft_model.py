@@ -35,7 +35,7 @@ DRAFT = {
 )
 def test_bad_draft_config(spec, message):
     with pytest.raises(ValueError, match=message):
-        EngineArgs(speculative_config=spec)._verify()
+        EngineArgs(speculative_config=spec).verify()
 
 
 def test_draft_model_must_fit_the_target(tiny_llama, tiny_llava, tmp_path):

@@ -19,11 +19,12 @@ from pagoda.model_executor.quantization import BLOCK
 from pagoda.ops import Ops
 
 # Hugging Face's activation names -> the gate's function (and its C++ decode loop code).
+# name -> (the function, its name in the C++ decode loop's Activation enum)
 ACTIVATIONS = {
-    "silu": (F.silu, 0),
-    "swish": (F.silu, 0),
-    "gelu_pytorch_tanh": (lambda x: F.gelu(x, approximate="tanh"), 1),
-    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), 1),
+    "silu": (F.silu, "silu"),
+    "swish": (F.silu, "silu"),
+    "gelu_pytorch_tanh": (lambda x: F.gelu(x, approximate="tanh"), "gelu_tanh"),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), "gelu_tanh"),
 }
 
 
