@@ -12,9 +12,9 @@ import random
 import httpx
 import pytest
 
-from pagoda.bench import serve as serve_bench
+from pagoda.bench import client as bench_client
+from pagoda.bench.client import stream_request
 from pagoda.bench.metrics import RequestTimeline, compute_metrics, summarize
-from pagoda.bench.serve import stream_request
 from pagoda.bench.workloads import (
     CHAT_TOPICS,
     BenchRequest,
@@ -417,7 +417,7 @@ def _serve(server, tiny_llama, tmp_path, *args: str) -> dict:
 
 
 def test_bench_serve_text_prompts(server, tiny_llama, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(serve_bench, "KV_SAMPLE_INTERVAL", 0.01)
+    monkeypatch.setattr(bench_client, "KV_SAMPLE_INTERVAL", 0.01)
     doc = _serve(server, tiny_llama, tmp_path, "--workload", "uniform", "--num-prompts", "4")
     assert "tiny" in capsys.readouterr().out
     (r,) = doc["results"]
@@ -439,10 +439,10 @@ def test_bench_serve_text_prompts(server, tiny_llama, tmp_path, capsys, monkeypa
 
 def test_kv_usage_of_each_server():
     pagoda = 'pagoda:kv_cache_usage_perc{model_name="a"} 0.25\npagoda:kv_cache_usage_perc{model_name="b"} 0.5'
-    assert serve_bench.kv_usage_of(pagoda) == 0.5
-    assert serve_bench.kv_usage_of('# HELP x\nvllm:kv_cache_usage_perc{engine="0"} 0.125') == 0.125
-    assert serve_bench.kv_usage_of("llamacpp:kv_cache_usage_ratio 0.75\n") == 0.75
-    assert serve_bench.kv_usage_of("pagoda:kv_cache_usage_perc_other 1\nfoo 2") is None
+    assert bench_client.kv_usage_of(pagoda) == 0.5
+    assert bench_client.kv_usage_of('# HELP x\nvllm:kv_cache_usage_perc{engine="0"} 0.125') == 0.125
+    assert bench_client.kv_usage_of("llamacpp:kv_cache_usage_ratio 0.75\n") == 0.75
+    assert bench_client.kv_usage_of("pagoda:kv_cache_usage_perc_other 1\nfoo 2") is None
 
 
 def test_bench_serve_ids_sweep_and_plot(server, tiny_llama, dataset, tmp_path):

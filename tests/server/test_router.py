@@ -363,3 +363,26 @@ def test_kv_events_follow_the_replicas_caches(tiny_llama):
         server.should_exit = True
         for s in servers:
             s.stop()
+
+
+def test_the_routers_tokens_are_the_engines(tiny_llama):
+    """PromptTokenizer (tokenizers + jinja2, no torch) gives the ids the engine's front
+    door gives: the same prefix hashes, so the router's prefix hits are real ones."""
+    from pagoda.engine.processor import Processor
+    from pagoda.engine_args import EngineArgs
+    from pagoda.model_executor.model_files import load_tokenizer
+
+    config = EngineArgs(model=tiny_llama).create_model_config()
+    processor = Processor(load_tokenizer(tiny_llama, False), config, config.max_model_len)
+    tokenizer = PromptTokenizer.load(tiny_llama)
+    for text in ["hello world", "the quick brown fox " * 20, "ünïcödé and 中文 text"]:
+        _, ids, _ = processor.process_prompt(text)
+        assert tokenizer.encode(text) == ids
+        conversation = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "again: " + text},
+        ]
+        _, ids, _ = processor.process_prompt({"messages": conversation})
+        assert tokenizer.chat(conversation) == ids

@@ -49,6 +49,7 @@ from pagoda.engine.validation import TRACE_HEADERS
 from pagoda.entrypoints.http_server import Server
 from pagoda.entrypoints.openai.dashboard import DEFAULT_INTERVAL as DASHBOARD_INTERVAL
 from pagoda.entrypoints.openai.dashboard import DashboardFeed, dashboard_html
+from pagoda.entrypoints.openai.errors import APIError, bad_request, from_invalid
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,7 +64,6 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagoda.entrypoints.openai.serving_engine import APIError, bad_request, from_invalid
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from pagoda.errors import (
     EngineDeadError,

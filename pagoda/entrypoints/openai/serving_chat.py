@@ -33,6 +33,13 @@ from pagoda.engine.tools import (
     check_tools,
     tool_names,
 )
+from pagoda.entrypoints.openai.errors import (
+    SSE_DONE,
+    bad_request,
+    failure_to_api_error,
+    from_invalid,
+    sse_error,
+)
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -49,16 +56,7 @@ from pagoda.entrypoints.openai.protocol import (
     now,
     random_id,
 )
-from pagoda.entrypoints.openai.serving_engine import (
-    SSE_DONE,
-    OpenAIServing,
-    StreamUsage,
-    bad_request,
-    choice_deltas,
-    failure_to_api_error,
-    from_invalid,
-    sse_error,
-)
+from pagoda.entrypoints.openai.serving_engine import OpenAIServing, StreamUsage, choice_deltas
 from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagoda.multimodal import allowed_remote_images, fetch_image_bytes
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pagoda.engine.messages import RequestStream
 from pagoda.engine.processor import PromptType
+from pagoda.entrypoints.openai.errors import SSE_DONE, failure_to_api_error, sse_error
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -23,13 +24,10 @@ from pagoda.entrypoints.openai.protocol import (
     random_id,
 )
 from pagoda.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     Choice,
     OpenAIServing,
     StreamUsage,
     choice_deltas,
-    failure_to_api_error,
-    sse_error,
 )
 from pagoda.errors import EngineDeadError, RequestFailedError
 from pagoda.outputs import CompletionOutput, RequestOutput

@@ -1,7 +1,8 @@
-"""What /v1/completions and /v1/chat/completions share: errors, turning a body into
+"""What /v1/completions and /v1/chat/completions share: turning a body into
 SamplingParams, adding requests all-or-nothing through the engine's front door,
 the one path that turns the engine's delta outputs into per-choice deltas (for
-streamed and whole responses alike), logprobs in OpenAI's two shapes, SSE framing.
+streamed and whole responses alike), logprobs in OpenAI's two shapes. Errors and
+SSE framing: errors.py.
 
 Nothing here checks a value: the `Processor` does (on its own thread), and its
 `InvalidRequestError` becomes a 400 whose `param` is the body's field name.
@@ -22,10 +23,13 @@ from pagoda.core.structured_output import KINDS as STRUCTURED_KINDS
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.messages import ProcessedRequest, RequestStream
 from pagoda.engine.processor import PromptType
+from pagoda.entrypoints.openai.errors import (
+    bad_request,
+    from_invalid,
+    sse,
+)
 from pagoda.entrypoints.openai.protocol import (
     CompletionLogprobs,
-    ErrorInfo,
-    ErrorResponse,
     OpenAIModel,
     PromptLogprob,
     SamplingFields,
@@ -33,7 +37,7 @@ from pagoda.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagoda.errors import InvalidRequestError
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -42,85 +46,9 @@ if TYPE_CHECKING:
     from pagoda.entrypoints.openai.serving_models import ServingModels
 
 
-class APIError(Exception):
-    """An error the client caused (or may retry), rendered as OpenAI's error body."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        info = ErrorInfo(
-            message=_printable(self.message),
-            type=self.type,
-            param=None if self.param is None else _printable(self.param),
-            code=self.code,
-        )
-        return ErrorResponse(error=info).model_dump()
-
-
-def _printable(text: str) -> str:
-    """Text that encodes as UTF-8: a lone surrogate a client sent (say, in an unknown
-    field's name) shows as \\udXXX instead of breaking the error response."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-def from_invalid(error: InvalidRequestError, renames: dict[str, str] | None = None) -> APIError:
-    """The front door's error as a 400 naming the body's field (SamplingParams and
-    prompt names mapped to the endpoint's, e.g. logprobs -> top_logprobs for chat)."""
-    param = (renames or {}).get(error.param, error.param)
-    message = error.message
-    if param != error.param and message.startswith(error.param):
-        message = param + message[len(error.param) :]
-    return bad_request(message, param, error.code)
-
-
-def failure_to_api_error(error: BaseException) -> APIError:
-    """What a client sees of a request that failed after it was accepted."""
-    if isinstance(error, RequestFailedError):
-        if error.client_error:
-            return bad_request(str(error), code="request_failed")
-        return APIError(500, str(error), "InternalServerError", code="request_failed")
-    if isinstance(error, EngineDeadError):
-        return APIError(
-            500, f"the engine stopped: {error}", "InternalServerError", code="engine_dead"
-        )
-    raise error
-
-
 def safe_logprob(value: float) -> float:
     """JSON has no -inf or NaN; OpenAI clients expect a number (vLLM sends -9999)."""
     return value if math.isfinite(value) else -9999.0
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
-
-
-def sse_error(error: APIError) -> str:
-    """An error event inside a stream that has already answered 200."""
-    return sse(error.body())
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 @dataclass

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from pagoda.checks import check_text
 from pagoda.engine.async_engine import AsyncEngine
+from pagoda.entrypoints.openai.errors import APIError, from_invalid
 from pagoda.entrypoints.openai.protocol import ModelCard, now
-from pagoda.entrypoints.openai.serving_engine import APIError, from_invalid
 from pagoda.errors import InvalidRequestError
 from pagoda.lora.request import LoRARequest
 
