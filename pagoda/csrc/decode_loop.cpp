@@ -17,7 +17,7 @@
 // kernel). Everything else
 // takes the Python path. Linear::operator() repeats the small-row dispatch of
 // pagoda.ops.cpu (`linear`, `quant_linear`), whose `decode_loop_linear` admits a linear
-// only where the two agree; tests/test_decode_loop.py holds them equal.
+// only where the two agree; tests/kernels/test_decode_loop.py holds them equal.
 #include <ATen/ATen.h>
 
 #include <vector>

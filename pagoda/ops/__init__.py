@@ -24,8 +24,8 @@ add_rms_norm and rotary_embedding are Triton kernels; the products are cuBLAS's
 
 `select_ops(kernel_backend, dtype)` builds the `Ops` a model is constructed
 with; layers call `self.ops.<primitive>` and never ask which CPU they run on.
-Every kernel is tested against its twin (tests/test_cpu_kernels.py,
-tests/test_attention.py, tests/test_triton_kernels.py).
+Every kernel is tested against its twin (tests/kernels/test_cpu_kernels.py,
+tests/kernels/test_attention.py, tests/kernels/test_triton_kernels.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Triton kernels for the GPU backend, each the twin of a PyTorch reference in
-`torch_ops` (tests/test_triton_kernels.py checks every one on small shapes; without
+`torch_ops` (tests/kernels/test_triton_kernels.py checks every one on small shapes; without
 a GPU they run under TRITON_INTERPRET=1, so CI tests them on every commit).
 
     primitive          kernel
