@@ -114,6 +114,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--interval", type=float, default=0.5, help="--dashboard-interval")
     ap.add_argument("--screenshot", default=None, help="PNG of the page under load")
+    ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
     url = f"http://127.0.0.1:{ns.port}"
     proc = start_server(ns.model, ns.port, ns.interval)
@@ -161,6 +162,19 @@ def main() -> int:
             f"= {100 * mean / (1000 * ns.interval):.3f}% of the engine thread at one per "
             f"{ns.interval} s"
         )
+    if ns.output_json:
+        from pagoda.bench.report import machine_info
+
+        result = {
+            "command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+            "rounds": ns.rounds, "num_prompts": ns.num_prompts, "interval_s": ns.interval,
+            "median": {m: {"output_throughput": t, "tpot_ms_mean": p} for m, (t, p) in med.items()},
+            "runs": {m: [r["output_throughput"] for r in rs] for m, rs in runs.items()},
+            "snapshot_ms": {"count": len(snapshot_ms), "mean": statistics.mean(snapshot_ms),
+                            "max": max(snapshot_ms)} if snapshot_ms else None,
+        }  # fmt: skip
+        with open(ns.output_json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

@@ -23,6 +23,7 @@ layer and as a share of the MoE model's step.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -125,6 +126,7 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--quantization", default="none", help="the models' weights at load, e.g. q4_1")
+    ap.add_argument("--output-json")
     ns = ap.parse_args()
     batches = [int(b) for b in ns.batch_sizes.split(",")]
     root = tempfile.mkdtemp()
@@ -159,8 +161,9 @@ def main() -> int:
     print(f"{'model':<26}" + "".join(f"{f'B={b} ms':>12}" for b in batches))
     for name, results in rows.items():
         print(f"{name:<26}" + "".join(f"{1000 * t:>12.2f}" for t in results))
+    layer_ms = {}
     for i, b in enumerate(batches):
-        ms = expert_layer_ms(b)
+        ms = layer_ms[b] = expert_layer_ms(b)
         layers = SHAPE["num_hidden_layers"]
         overhead = ms["kernels"] - ms["products"]
         t_moe = rows["moe (C++ decode loop)"][i]
@@ -172,6 +175,15 @@ def main() -> int:
             f"grouping {overhead:.3f} ms, {100 * overhead / ms['kernels']:.0f}% of the layer, "
             f"{100 * layers * overhead / (1000 * t_moe):.1f}% of the loop's step"
         )
+    if ns.output_json:
+        result = {
+            "command": " ".join(["python", *sys.argv]), "machine": info, "steps": ns.steps,
+            "quantization": ns.quantization, "batch_sizes": batches,
+            "decode_step_ms": {name: [1000 * t for t in ts] for name, ts in rows.items()},
+            "expert_layer_ms": layer_ms,
+        }  # fmt: skip
+        with open(ns.output_json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 
