@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`, run by uvicorn.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API), GET /v1/models,
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics,
 GET /dashboard (the live dashboard) and GET /dashboard/events (its feed), GET
 /kv_events (the prefix cache's block hashes as they change, for a router).
@@ -27,9 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import secrets
-from collections.abc import Awaitable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -45,11 +44,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__, envs
 from pagoda.engine.async_engine import AsyncEngine
-from pagoda.engine.validation import TRACE_HEADERS
+from pagoda.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagoda.entrypoints.anthropic.serving import AnthropicErrors, ServingMessages
 from pagoda.entrypoints.http_server import Server
 from pagoda.entrypoints.openai.dashboard import DEFAULT_INTERVAL as DASHBOARD_INTERVAL
 from pagoda.entrypoints.openai.dashboard import DashboardFeed, dashboard_html
 from pagoda.entrypoints.openai.errors import APIError, bad_request, from_invalid
+from pagoda.entrypoints.openai.http_parts import (
+    DASHBOARD_COOKIE,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    error_response,
+    respond,
+)
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,136 +87,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
 
-def _error(status: int, message: str, type: str, param=None, code=None, headers=None):
-    return JSONResponse(APIError(status, message, type, param, code).body(), status, headers)
-
-
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response that runs `on_close` however it ends, even
-    when the client left before the body started (the generator never ran)."""
-
-    def __init__(self, content, on_close) -> None:
-        super().__init__(content, media_type="text/event-stream")
-        self.headers["Cache-Control"] = "no-cache"
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-DASHBOARD_COOKIE = "pagoda_api_key"
-
-
-# What the API key guards: the API, the dashboard, and which prefixes are cached.
-_PROTECTED = ("/v1", "/dashboard", "/kv_events")
-
-
-class APIKeyMiddleware:
-    """Every /v1, /dashboard and /kv_events route needs `Authorization: Bearer <key>`; a browser
-    opening the dashboard gives the key once as `?api_key=` (the page then keeps it
-    in a cookie for its event stream). The rest stay open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-        self.expected = b"Bearer " + self.api_key
-
-    def _authorized(self, scope) -> bool:
-        headers = dict(scope["headers"])
-        if secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
-            return True
-        if not scope["path"].startswith("/dashboard"):
-            return False
-        request = Request(scope)
-        given = request.query_params.get("api_key") or request.cookies.get(DASHBOARD_COOKIE)
-        return given is not None and secrets.compare_digest(given.encode(), self.api_key)
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope["path"] if scope["type"] == "http" else ""
-        if path.startswith(_PROTECTED) and not self._authorized(scope):
-            response = _error(
-                401, "Incorrect or missing API key.", "invalid_request_error",
-                code="invalid_api_key",
-            )  # fmt: skip
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-class BodySizeLimitMiddleware:
-    """413 for a request body over `max_bytes`, by its Content-Length or, when it
-    is sent in chunks, as soon as the bytes read pass the limit."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
-            return
-        received, too_large = 0, False
-
-        async def limited_receive():
-            nonlocal received, too_large
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    too_large = True  # the app sees a client that left, and answers no one
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def guarded_send(message) -> None:
-            if not too_large:
-                await send(message)
-
-        await self.app(scope, limited_receive, guarded_send)
-        if too_large:
-            await self._too_large()(scope, receive, send)
-
-    def _message(self) -> str:
-        return f"The request body is larger than this server takes ({self.max_bytes} bytes)."
-
-    def _too_large(self) -> JSONResponse:
-        return _error(413, self._message(), "invalid_request_error", code="request_too_large")
-
-
-def trace_headers(raw_request: Request) -> dict[str, str] | None:
-    """The request's W3C trace context (`traceparent`, `tracestate`), if it has one."""
-    found = {
-        name: raw_request.headers[name] for name in TRACE_HEADERS if name in raw_request.headers
-    }
-    return found or None
-
-
-async def until_disconnected(raw_request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`; if the client disconnects first, cancel it (which aborts its
-    requests) and answer 499."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await raw_request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return Response(status_code=499)
+def _is_type(loc_part) -> bool:
+    """A union arm's name in a validation error's location ("str", "list[...]")."""
+    return isinstance(loc_part, str) and (
+        loc_part in ("str", "int", "float", "bool", "none") or loc_part.endswith("]")
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -219,10 +101,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
-        errors = e.errors()
+        # The deepest first: of a union's arms, the one the body meant went furthest.
+        errors = sorted(e.errors(), key=lambda err: -len(err.get("loc", ())))
         param, parts = None, []
         for err in errors[:3]:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_type(x)]
             where = ".".join(loc) or "body"
             if err.get("type") == "json_invalid":
                 parts.append(f"Malformed JSON in the request body: {err.get('msg')}")
@@ -234,7 +117,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             else:
                 parts.append(f"{where}: {err.get('msg')}")
         message = "; ".join(parts) or "invalid request"
-        return _error(400, message, "invalid_request_error", param)
+        return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, e: InvalidRequestError):
@@ -244,27 +127,27 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)
     async def queue_full(_: Request, e: QueueFullError):
         headers = {"Retry-After": str(e.retry_after)}
-        return _error(503, str(e), "ServiceUnavailableError", None, "queue_full", headers)
+        return error_response(503, str(e), "ServiceUnavailableError", None, "queue_full", headers)
 
     @app.exception_handler(EngineNotAcceptingError)
     async def not_accepting(_: Request, e: EngineNotAcceptingError):
         headers = {"Retry-After": "5"}
-        return _error(503, str(e), "ServiceUnavailableError", None, "unavailable", headers)
+        return error_response(503, str(e), "ServiceUnavailableError", None, "unavailable", headers)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError):
         headers = {"Retry-After": "5"}
-        return _error(503, str(e), "ServiceUnavailableError", None, "engine_dead", headers)
+        return error_response(503, str(e), "ServiceUnavailableError", None, "engine_dead", headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
         kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
-        return _error(e.status_code, str(e.detail), kind, None, None, e.headers)
+        return error_response(e.status_code, str(e.detail), kind, None, None, e.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception):
         logger.exception("unhandled error in a request")
-        return _error(500, f"internal error: {e!r}", "InternalServerError")
+        return error_response(500, f"internal error: {e!r}", "InternalServerError")
 
 
 def build_app(
@@ -284,6 +167,7 @@ def build_app(
         models = ServingModels(engine, list(served_model_names or [engine.model_name]))
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models)
+    messages = ServingMessages(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -297,15 +181,16 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(AnthropicErrors)  # outermost: it reshapes the others' errors too
 
     @app.get("/health")
     async def health():
         if not engine.is_running:
-            return _error(
+            return error_response(
                 503, f"the engine has stopped: {engine.error!r}", "ServiceUnavailableError"
             )
         if not engine.accepting:  # draining: routers and readiness probes look elsewhere
-            return _error(503, "the server is shutting down.", "ServiceUnavailableError")
+            return error_response(503, "the server is shutting down.", "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -374,19 +259,19 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        run = await completion.start(req, trace_headers(raw_request))
-        if req.stream:
-            body = completion.stream_response(run)
-            return SSEResponse(body, lambda: completion.abort_unfinished(run.streams))
-        return await until_disconnected(raw_request, completion.full_response(run))
+        return await respond(completion, req, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        run = await chat.start(req, trace_headers(raw_request))
-        if req.stream:
-            body = chat.stream_response(run)
-            return SSEResponse(body, lambda: chat.abort_unfinished([run.stream]))
-        return await until_disconnected(raw_request, chat.full_response(run))
+        return await respond(chat, req, raw_request)
+
+    @app.post("/v1/messages")
+    async def create_message(req: MessagesRequest, raw_request: Request):
+        return await respond(messages, req, raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(req: CountTokensRequest):
+        return await messages.count_tokens(req)
 
     processor = engine.engine.processor  # its methods run on the processor thread
 

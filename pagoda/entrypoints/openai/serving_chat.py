@@ -75,6 +75,10 @@ class ChatRun:
     stream: RequestStream
     tool_names: list[str] | None = None  # parse tool calls out of the text
 
+    @property
+    def streams(self) -> list[RequestStream]:
+        return [self.stream]
+
     def parser(self) -> ToolCallParser | None:
         return None if self.tool_names is None else ToolCallParser(self.tool_names)
 
