@@ -155,6 +155,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=0.5,
         help="seconds between the /dashboard's samples of the engine (default: 0.5)",
     )
+    parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="most /v1/responses kept for previous_response_id and GET; the oldest go "
+        "first (default: 1000)",
+    )
+    parser.add_argument(
+        "--stored-response-ttl",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="seconds a stored /v1/responses response is kept (default: 3600)",
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument(
         "--data-parallel-size",

@@ -37,7 +37,6 @@ from pagoda.entrypoints.anthropic.protocol import (
 from pagoda.entrypoints.openai.errors import APIError, bad_request, failure_to_api_error
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from pagoda.entrypoints.openai.serving_engine import choice_deltas
 from pagoda.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -293,7 +292,7 @@ class ServingMessages:
         )
 
     async def stream_response(self, run: ChatRun) -> AsyncIterator[str]:
-        blocks, parser = StreamBlocks(), run.parser()
+        blocks = StreamBlocks()
         num_tokens = num_calls = 0
         start = MessageResponse(
             id=_message_id(run),
@@ -304,14 +303,8 @@ class ServingMessages:
         try:
             yield event("message_start", {"message": start.model_dump()})
             yield event("ping", {})
-            async for _, delta, _ in choice_deltas([run.stream], 1, False):
+            async for text, calls, delta in self.chat.parsed_deltas(run):
                 num_tokens += len(delta.token_ids)
-                text, calls = delta.text, []
-                if parser is not None:
-                    text, calls = parser.feed(text)
-                    if delta.finish_reason is not None:
-                        rest, last = parser.finish()
-                        text, calls = text + rest, calls + last
                 for piece in blocks.text(text):
                     yield piece
                 for call in calls:
@@ -332,17 +325,11 @@ class ServingMessages:
                     "message_delta", {"delta": final, "usage": {"output_tokens": num_tokens}}
                 )
                 yield event("message_stop", {})
-        except (RequestFailedError, EngineDeadError) as e:
+        except (RequestFailedError, EngineDeadError, APIError) as e:  # APIError: aborted
             logger.error("messages stream %s failed: %s", run.response_id, e)
-            error = failure_to_api_error(e)
-            yield event(
-                "error",
-                {"error": {"type": error_type(error.status_code), "message": error.message}},
-            )
-        except APIError as e:  # aborted while streaming
-            yield event(
-                "error", {"error": {"type": error_type(e.status_code), "message": e.message}}
-            )
+            error = e if isinstance(e, APIError) else failure_to_api_error(e)
+            body = {"type": error_type(error.status_code), "message": error.message}
+            yield event("error", {"error": body})
         finally:
             self.chat.abort_unfinished([run.stream])
 

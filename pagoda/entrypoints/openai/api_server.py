@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`, run by uvicorn.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages and
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses with GET
+and DELETE /v1/responses/{id} (OpenAI's Responses API), POST /v1/messages and
 /v1/messages/count_tokens (Anthropic's Messages API), GET /v1/models,
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics,
 GET /dashboard (the live dashboard) and GET /dashboard/events (its feed), GET
@@ -69,9 +70,11 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
+from pagoda.entrypoints.openai.serving_responses import ResponseStore, ServingResponses
 from pagoda.errors import (
     EngineDeadError,
     EngineNotAcceptingError,
@@ -158,16 +161,21 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     models: ServingModels | None = None,
     dashboard_interval: float = DASHBOARD_INTERVAL,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI app for `engine`. With `owns_engine`, the app's shutdown stops it.
     `models`: the served names with their LoRA adapters (default: the base model's
     `served_model_names` alone). `dashboard_interval`: seconds between the
-    dashboard's samples of the engine."""
+    dashboard's samples of the engine. `response_store`: where /v1/responses keeps
+    stored responses (default: 1,000 for an hour)."""
     if models is None:
         models = ServingModels(engine, list(served_model_names or [engine.model_name]))
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models)
     messages = ServingMessages(chat)
+    responses = ServingResponses(
+        chat, response_store if response_store is not None else ResponseStore()
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -269,6 +277,18 @@ def build_app(
     async def create_message(req: MessagesRequest, raw_request: Request):
         return await respond(messages, req, raw_request)
 
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw_request: Request):
+        return await respond(responses, req, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
+
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(req: CountTokensRequest):
         return await messages.count_tokens(req)
@@ -316,6 +336,7 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {ns.max_request_body_bytes}.")
     if not ns.dashboard_interval >= 0.05:
         raise ValueError(f"dashboard_interval must be >= 0.05 s, got {ns.dashboard_interval}.")
+    response_store = ResponseStore(ns.max_stored_responses, ns.stored_response_ttl)
     lora_modules = [LoRAModulePath.parse(text) for text in ns.lora_modules or ()]
     if lora_modules and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora.")
@@ -374,6 +395,7 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         max_request_body_bytes=ns.max_request_body_bytes,
         models=models,
         dashboard_interval=ns.dashboard_interval,
+        response_store=response_store,
     )
     try:
         server.run()

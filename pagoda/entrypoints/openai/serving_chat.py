@@ -59,6 +59,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_engine import OpenAIServing, StreamUsage, choice_deltas
 from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagoda.multimodal import allowed_remote_images, fetch_image_bytes
+from pagoda.outputs import CompletionOutput
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,21 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=run.response_id, created=created, model=run.model, choices=result, usage=usage
         )
+
+    async def parsed_deltas(
+        self, run: ChatRun
+    ) -> AsyncIterator[tuple[str, list[ParsedCall], CompletionOutput]]:
+        """(content, tool calls completed, the delta they came in) as one choice's
+        output streams: what the Messages and Responses streams are built from."""
+        parser = run.parser()
+        async for _, delta, _ in choice_deltas([run.stream], 1, False):
+            text, calls = delta.text, []
+            if parser is not None:
+                text, calls = parser.feed(text)
+                if delta.finish_reason is not None:
+                    rest, last = parser.finish()
+                    text, calls = text + rest, calls + last
+            yield text, calls, delta
 
     async def stream_response(self, run: ChatRun) -> AsyncIterator[str]:
         created, params = now(), run.params

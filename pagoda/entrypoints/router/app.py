@@ -198,6 +198,10 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
     async def chat_completions(raw: Request):
         return await relay("/v1/chat/completions", raw)
 
+    @app.post("/v1/messages")  # Anthropic's; a replica answers in Anthropic's shapes
+    async def messages(raw: Request):
+        return await relay("/v1/messages", raw)
+
     return app
 
 
