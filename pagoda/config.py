@@ -12,6 +12,7 @@ from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # one parser: both write <think>...</think>
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")  # as pagoda.ops has them (no torch here)
 DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where torch sees a GPU
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # auto: the model's dtype
@@ -40,6 +41,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict[str, Any] = field(hash=False)
     seed: int
+    reasoning_parser: str | None = None  # see pagoda.engine.reasoning
 
     @property
     def architecture(self) -> str:

@@ -20,6 +20,7 @@ from pagoda.config import (
     MAX_LORA_RANK,
     PREEMPTION_MODES,
     QUANTIZATIONS,
+    REASONING_PARSERS,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
@@ -70,6 +71,9 @@ class EngineArgs:
     # Decode steps of a few rows run the layers in one C++ call (csrc/decode_loop.cpp,
     # bitwise the same result); True keeps every step in the Python model (vLLM's name).
     enforce_eager: bool = False
+    # A reasoning model's `<think>` block: split from the answer in responses, and
+    # grammars constrain only what follows it (vLLM's name; see pagoda.engine.reasoning).
+    reasoning_parser: str | None = None
     # Speculative decoding (see SpeculativeConfig), e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; None: off.
     speculative_config: dict[str, Any] | None = None
@@ -180,6 +184,10 @@ class EngineArgs:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(
                 f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}."
+            )
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}."
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
@@ -293,6 +301,7 @@ class EngineArgs:
             eos_token_ids=eos_token_ids,
             generation_defaults=generation_defaults,
             seed=self.seed,
+            reasoning_parser=self.reasoning_parser,
         )
 
     def resolved_device(self, warn: bool = False) -> str:

@@ -86,9 +86,16 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at first admission
         self.first_scheduled_time: float | None = None  # stamped by the scheduler
         self.grammar: RequestGrammar | None = None  # structured outputs; set by the scheduler
+        # Still before the grammar's start (SamplingParams.grammar_after): no mask yet.
+        self.before_grammar = bool(sampling_params.grammar_after)
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)
         self.trace_headers = trace_headers  # the caller's W3C trace context, if it sent one
         self.mm_features = mm_features or []  # its images, in prompt order
+
+    @property
+    def grammar_active(self) -> bool:
+        """Whether its grammar masks its next token."""
+        return self.grammar is not None and not self.before_grammar
 
     @property
     def lora_int_id(self) -> int:

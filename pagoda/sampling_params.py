@@ -77,6 +77,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # The checked grammar (llguidance's serialized form), from structured_outputs.
     grammar: str | None = field(default=None, repr=False)
+    # The grammar starts once the output holds these tokens (a reasoning model's
+    # `</think>`: the grammar constrains the answer, not the reasoning); () from the start.
+    grammar_after: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         self.check_fields()

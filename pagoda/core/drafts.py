@@ -43,7 +43,7 @@ class Drafts:
             room,
             slots - request.num_tokens,
         )
-        if k < 1:
+        if k < 1 or request.before_grammar:  # no drafts across the grammar's start
             return []
         if self.from_draft_model:
             # Placeholders: the runner's draft model writes them. Its drafts are not

@@ -40,6 +40,10 @@ class GrammarAdmission(SchedulerPart):
         refuses cannot be sampled under its mask; it ends the request as failed.)"""
         if request.grammar is None:
             return None
+        if request.before_grammar:  # the grammar starts after the reasoning's end
+            after = request.sampling_params.grammar_after
+            request.before_grammar = tuple(request.output_token_ids[-len(after) :]) != after
+            return None
         if not request.grammar.accept(token_id):
             return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if request.grammar.complete else None
@@ -64,8 +68,9 @@ class GrammarAdmission(SchedulerPart):
         last token and each of its drafts); sets each item's `grammar_row`."""
         rows, num_rows = [], 0
         for item in scheduled:
-            grammar = requests[item.request_id].grammar
-            if grammar is not None and item.sampling_params is not None:
+            request = requests[item.request_id]
+            grammar = request.grammar
+            if request.grammar_active and item.sampling_params is not None:
                 item.grammar_row = num_rows
                 rows.append((grammar, num_rows, item.draft_token_ids))
                 num_rows += 1 + item.num_draft_tokens

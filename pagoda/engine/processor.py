@@ -28,6 +28,7 @@ from typing import Any
 from pagoda.checks import INT64_MAX, INT64_MIN, check_bool, check_int, check_text, fail, show
 from pagoda.config import LoRAConfig, ModelConfig, RequestLimits
 from pagoda.engine.chat import ChatRenderer
+from pagoda.engine.reasoning import THINK_CLOSE, prompt_state
 from pagoda.engine.validation import RequestValidator, check_trace_headers
 from pagoda.lora.request import LoRARequest
 from pagoda.request import MultiModalFeature, Request
@@ -78,6 +79,11 @@ class Processor:
         self.check_params = self.validator.check_params
         self.check_num_prompts = self.validator.check_num_prompts
         self.render_chat = self.chat.render_chat
+        # A reasoning model's grammars start after this (see pagoda.engine.reasoning).
+        self.reasoning_end: tuple[int, ...] = ()
+        if model_config.reasoning_parser is not None:
+            ids = self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+            self.reasoning_end = tuple(ids)
 
     def process(
         self,
@@ -107,6 +113,8 @@ class Processor:
         trace_headers = check_trace_headers(trace_headers)
         text, token_ids, features = self.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.check_params(params, len(token_ids))
+        if params.grammar is not None and self.reasoning_end and self._reasons(text, token_ids):
+            params = dataclasses.replace(params, grammar_after=self.reasoning_end)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -126,6 +134,10 @@ class Processor:
                 )  # fmt: skip
             )
         return children, text
+
+    def _reasons(self, text: str | None, token_ids: list[int]) -> bool:
+        """Whether reasoning may come before the answer: the prompt did not close it."""
+        return prompt_state(text or self.tokenizer.decode(token_ids[-16:])) != "closed"
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.model_config.generation_defaults)

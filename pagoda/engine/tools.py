@@ -180,7 +180,7 @@ class ToolCallParser:
                 self.buffer = self.buffer[start + len(OPEN) :]
                 self.in_call = True
                 continue
-            keep = _partial_tag_len(self.buffer)  # may be the start of a tag
+            keep = partial_tag_len(self.buffer)  # may be the start of a tag
             content += self.buffer[: len(self.buffer) - keep]
             self.buffer = self.buffer[len(self.buffer) - keep :]
             break
@@ -225,9 +225,10 @@ class ToolCallParser:
         )
 
 
-def _partial_tag_len(text: str) -> int:
-    """The length of the longest end of `text` that begins the open tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def partial_tag_len(text: str, tag: str = OPEN) -> int:
+    """The length of the longest end of `text` that begins `tag` (held back while
+    streaming: it may be the tag's start)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0

@@ -23,6 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, tuple):  # a list of strings
             parser.add_argument(flag, nargs="+", default=default)
+        elif f.type == "str | None":
+            parser.add_argument(flag, default=default)
         elif default is None:  # optional integers
             parser.add_argument(flag, type=int, default=default)
         else:

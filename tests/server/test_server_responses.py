@@ -10,7 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from pagoda.entrypoints.openai.serving_responses import ResponseStore, StoredResponse, conversation
+from pagoda.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from pagoda.entrypoints.openai.serving_responses import conversation
 from tests.helpers import RemoteServer, make_model
 
 WEATHER_SCHEMA = {

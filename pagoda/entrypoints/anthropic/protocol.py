@@ -5,8 +5,10 @@ Requests take only the fields listed here (an unknown one is a 400 naming it).
 them (older clients do; pass them in `extra_body`). Accepted and without effect:
 `cache_control` (pagoda's prefix cache needs no markers), `citations`,
 `metadata.user_id` (the request's `user`), `service_tier`, `speed`,
-`inference_geo`, `output_config.effort` and `thinking` "adaptive" (these models
-do not think; "enabled" is a 400).
+`inference_geo`, `output_config.effort`, `thinking.budget_tokens`. `thinking`
+"disabled" turns a thinking chat template's `enable_thinking` off; "enabled" needs a
+server started with `--reasoning-parser` (else a 400), whose reasoning comes back
+as a `thinking` block (with an empty `signature`: nothing here signs it).
 """
 
 from __future__ import annotations

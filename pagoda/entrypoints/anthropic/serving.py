@@ -156,14 +156,21 @@ def _tool_choice(req: CountTokensRequest) -> tuple[Any, bool | None]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def _check_thinking(req: CountTokensRequest) -> None:
-    if req.thinking is not None and req.thinking.type == "enabled":
-        raise bad_request("thinking: extended thinking is not supported.", "thinking")
+def _template_kwargs(req: CountTokensRequest, reasoning: bool) -> dict | None:
+    """`thinking` as the chat template takes it: "disabled" turns a thinking template's
+    `enable_thinking` off; "enabled" needs a reasoning parser (--reasoning-parser)."""
+    kind = req.thinking.type if req.thinking is not None else None
+    if kind == "enabled" and not reasoning:
+        raise bad_request(
+            "thinking: this server has no reasoning parser (start it with --reasoning-parser).",
+            "thinking",
+        )
+    return {"enable_thinking": False} if kind == "disabled" else None
 
 
-def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
-    """The chat completions request that runs a Messages body."""
-    _check_thinking(req)
+def to_chat_request(req: MessagesRequest, reasoning: bool = False) -> ChatCompletionRequest:
+    """The chat completions request that runs a Messages body (`reasoning`: the server
+    has a reasoning parser)."""
     tool_choice, parallel = _tool_choice(req)
     if tool_choice is not None and not req.tools:
         raise bad_request("tool_choice needs tools.", "tool_choice")
@@ -180,6 +187,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         response_format=_response_format(req),
+        chat_template_kwargs=_template_kwargs(req, reasoning),
     )
 
 
@@ -214,34 +222,44 @@ def event(kind: str, body: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n"
 
 
+# A streamed block's start and delta, by kind: a thinking or a text block.
+_BLOCKS = {
+    "thinking": ({"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta"),
+    "text": ({"type": "text", "text": ""}, "text_delta"),
+}
+
+
 class StreamBlocks:
-    """A stream's content blocks: a text block opened by the first text and closed by
-    a call or the end, each call a tool_use block with its input in one delta."""
+    """A stream's content blocks: a thinking block (with a reasoning parser), then text
+    blocks opened by text and closed by a call or the end, each call a tool_use block
+    with its input in one delta."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.text_open = False
+        self.open: str | None = None  # the kind of the block open now
 
-    def text(self, text: str) -> list[str]:
+    def add(self, kind: str, text: str) -> list[str]:
+        """Events for `text` of block `kind` ("thinking" or "text")."""
         if not text:
             return []
         out = []
-        if not self.text_open:
+        start, delta_type = _BLOCKS[kind]
+        if self.open != kind:
+            out = self.close()
             self.index += 1
-            self.text_open = True
-            block = {"type": "text", "text": ""}
-            out.append(event("content_block_start", {"index": self.index, "content_block": block}))
-        delta = {"type": "text_delta", "text": text}
+            self.open = kind
+            out.append(event("content_block_start", {"index": self.index, "content_block": start}))
+        delta = {"type": delta_type, kind: text}
         return [*out, event("content_block_delta", {"index": self.index, "delta": delta})]
 
-    def close_text(self) -> list[str]:
-        if not self.text_open:
+    def close(self) -> list[str]:
+        if self.open is None:
             return []
-        self.text_open = False
+        self.open = None
         return [event("content_block_stop", {"index": self.index})]
 
     def tool_use(self, call_id: str, name: str, arguments: str) -> list[str]:
-        out = self.close_text()
+        out = self.close()
         self.index += 1
         block = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
         delta = {"type": "input_json_delta", "partial_json": arguments}
@@ -259,12 +277,14 @@ class ServingMessages:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
         self.abort_unfinished = chat.abort_unfinished
+        self.reasoning = chat.engine.model_config.reasoning_parser is not None
 
     async def start(
         self, req: MessagesRequest, trace_headers: Mapping[str, str] | None = None
     ) -> ChatRun:
         try:
-            return await self.chat.start(to_chat_request(req), trace_headers)
+            chat_req = to_chat_request(req, self.reasoning)
+            return await self.chat.start(chat_req, trace_headers)
         except APIError as e:
             name = _RENAMES.get(e.param or "")
             if name is not None and e.message.startswith(e.param):
@@ -275,7 +295,11 @@ class ServingMessages:
         response = await self.chat.full_response(run)
         (choice,) = response.choices
         message = choice.message
-        content = [{"type": "text", "text": message.content}] if message.content else []
+        content = []
+        if message.reasoning:
+            content.append({"type": "thinking", "thinking": message.reasoning, "signature": ""})
+        if message.content:
+            content.append({"type": "text", "text": message.content})
         for call in message.tool_calls:
             content.append(_tool_use(call.id, call.function.name, call.function.arguments))
         stop = choice.stop_reason
@@ -303,9 +327,9 @@ class ServingMessages:
         try:
             yield event("message_start", {"message": start.model_dump()})
             yield event("ping", {})
-            async for text, calls, delta in self.chat.parsed_deltas(run):
+            async for thought, text, calls, delta in self.chat.parsed_deltas(run):
                 num_tokens += len(delta.token_ids)
-                for piece in blocks.text(text):
+                for piece in [*blocks.add("thinking", thought), *blocks.add("text", text)]:
                     yield piece
                 for call in calls:
                     num_calls += 1
@@ -313,7 +337,7 @@ class ServingMessages:
                         yield piece
                 if delta.finish_reason is None:
                     continue
-                for piece in blocks.close_text():
+                for piece in blocks.close():
                     yield piece
                 stop = delta.stop_reason
                 reason = stop_reason(delta.finish_reason, stop, num_calls)
@@ -335,12 +359,12 @@ class ServingMessages:
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
         self.chat.check_model(req.model)
-        _check_thinking(req)
+        kwargs = _template_kwargs(req, self.reasoning)
         messages = conversation(req)
         await self.chat.fetch_images(messages)
         processor = self.chat.processor
         _, tokens, _ = await self.chat.engine.run_in_processor(
-            processor.render_chat, messages, True, None, openai_tools(req)
+            processor.render_chat, messages, True, kwargs, openai_tools(req)
         )
         return CountTokensResponse(input_tokens=len(tokens))
 

@@ -71,10 +71,11 @@ from pagoda.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagoda.entrypoints.openai.responses_store import ResponseStore
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
-from pagoda.entrypoints.openai.serving_responses import ResponseStore, ServingResponses
+from pagoda.entrypoints.openai.serving_responses import ServingResponses
 from pagoda.errors import (
     EngineDeadError,
     EngineNotAcceptingError,

@@ -287,6 +287,9 @@ class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # With a reasoning parser: the <think> block (vLLM's name, and its older one).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -311,6 +314,8 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

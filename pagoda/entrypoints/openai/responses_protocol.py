@@ -4,7 +4,8 @@ Input items stay dicts here: `serving_responses.conversation` checks them and
 names the one at fault (`input[2].content[0]`). Accepted and without effect:
 `user`, `safety_identifier`, `prompt_cache_key` (pagoda's prefix cache keys on the
 tokens themselves), `metadata` (echoed back), `service_tier` auto/default,
-`stream_options`, `reasoning.effort` "none"/unset.
+`stream_options`, `reasoning.summary`. `reasoning.effort` "none" turns a thinking
+chat template's `enable_thinking` off; another effort needs `--reasoning-parser`.
 """
 
 from __future__ import annotations
@@ -61,8 +62,4 @@ class ResponsesRequest(OpenAIModel):
         "include": only(None, [], why="no extra output can be included"),
         "max_tool_calls": only(None, why="built-in tools are not served"),
         "service_tier": only(None, "auto", "default", why="pagoda has one service tier"),
-        "reasoning": (
-            lambda v: v is None or v.get("effort") in (None, "none"),
-            "this model does not reason",
-        ),
     }

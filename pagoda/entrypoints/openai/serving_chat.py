@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from pagoda.engine.messages import RequestStream
+from pagoda.engine.reasoning import ReasoningParser
 from pagoda.engine.tools import (
     CLOSE,
     OPEN,
@@ -75,13 +76,39 @@ class ChatRun:
     params: SamplingParams
     stream: RequestStream
     tool_names: list[str] | None = None  # parse tool calls out of the text
+    reasoning: bool = False  # split a <think> block off the text (--reasoning-parser)
 
     @property
     def streams(self) -> list[RequestStream]:
         return [self.stream]
 
-    def parser(self) -> ToolCallParser | None:
-        return None if self.tool_names is None else ToolCallParser(self.tool_names)
+    def parser(self, prompt: str | None) -> OutputParser:
+        return OutputParser(prompt, self.reasoning, self.tool_names)
+
+
+class OutputParser:
+    """One choice's text as it streams, split into reasoning (with a reasoning parser),
+    content, and tool calls (with tools); `feed` returns the new pieces of each, `last`
+    on the choice's final text. A whole response feeds all its text at once: the same
+    split as its stream."""
+
+    def __init__(self, prompt: str | None, reasoning: bool, tool_names: list[str] | None):
+        self.reasoning = ReasoningParser(prompt) if reasoning else None
+        self.tools = ToolCallParser(tool_names) if tool_names is not None else None
+
+    def feed(self, text: str, last: bool = False) -> tuple[str, str, list[ParsedCall]]:
+        thought, calls = "", []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text)
+            if last:
+                more_thought, more_text = self.reasoning.finish()
+                thought, text = thought + more_thought, text + more_text
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            if last:
+                rest, more_calls = self.tools.finish()
+                text, calls = text + rest, calls + more_calls
+        return thought, text, calls
 
 
 def tool_setup(req: ChatCompletionRequest, tag_ids: dict) -> tuple[list | None, str | None]:
@@ -184,9 +211,9 @@ class OpenAIServingChat(OpenAIServing):
         (stream,) = await super().start(
             response_id, [prompt], params, req.priority, renames, lora_request, trace_headers
         )
-        return ChatRun(
-            req, response_id, model, params, stream, tool_names(tools) if tools else None
-        )
+        names = tool_names(tools) if tools else None
+        reasoning = self.engine.model_config.reasoning_parser is not None
+        return ChatRun(req, response_id, model, params, stream, names, reasoning)
 
     @functools.cached_property
     def tag_ids(self) -> dict[str, int]:
@@ -205,26 +232,26 @@ class OpenAIServingChat(OpenAIServing):
 
     async def full_response(self, run: ChatRun) -> ChatCompletionResponse:
         created, params = now(), run.params
-        choices = {}
+        choices, prompt = {}, None
         try:
-            async for choice, _, _ in choice_deltas([run.stream], params.n, keep_parts=True):
+            async for choice, _, output in choice_deltas([run.stream], params.n, keep_parts=True):
                 choices[choice.index] = choice
+                prompt = output.prompt
         except (RequestFailedError, EngineDeadError) as e:
             raise failure_to_api_error(e) from e
         finally:
             self.abort_unfinished([run.stream])
         result = []
         for c in sorted(choices.values(), key=lambda c: c.index):
-            content, calls, finish_reason = c.text, [], c.finish_reason
-            parser = run.parser()
-            if parser is not None:
-                (content, calls), (rest, last) = parser.feed(c.text), parser.finish()
-                content, calls = (content + rest) or None, calls + last
-                finish_reason = _finish_reason(finish_reason, len(calls))
+            thought, content, calls = run.parser(prompt).feed(c.text, last=True)
+            if run.tool_names is not None:
+                content = content or None
             message = ResponseMessage(
                 content=content,
                 tool_calls=[ToolCall(id=t.id, function=_function(t)) for t in calls],
+                **_reasoning(thought if run.reasoning else None),
             )
+            finish_reason = _finish_reason(c.finish_reason, calls)
             result.append(
                 ChatChoice(
                     index=c.index,
@@ -242,18 +269,14 @@ class OpenAIServingChat(OpenAIServing):
 
     async def parsed_deltas(
         self, run: ChatRun
-    ) -> AsyncIterator[tuple[str, list[ParsedCall], CompletionOutput]]:
-        """(content, tool calls completed, the delta they came in) as one choice's
-        output streams: what the Messages and Responses streams are built from."""
-        parser = run.parser()
-        async for _, delta, _ in choice_deltas([run.stream], 1, False):
-            text, calls = delta.text, []
-            if parser is not None:
-                text, calls = parser.feed(text)
-                if delta.finish_reason is not None:
-                    rest, last = parser.finish()
-                    text, calls = text + rest, calls + last
-            yield text, calls, delta
+    ) -> AsyncIterator[tuple[str, str, list[ParsedCall], CompletionOutput]]:
+        """(reasoning, content, tool calls completed, the delta they came in) as one
+        choice's output streams: what the Messages and Responses streams are built from."""
+        parser = None
+        async for _, delta, output in choice_deltas([run.stream], 1, False):
+            parser = parser or run.parser(output.prompt)
+            thought, text, calls = parser.feed(delta.text, delta.finish_reason is not None)
+            yield thought, text, calls, delta
 
     async def stream_response(self, run: ChatRun) -> AsyncIterator[str]:
         created, params = now(), run.params
@@ -267,34 +290,31 @@ class OpenAIServingChat(OpenAIServing):
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
             return usage.event(body, last)
 
-        parsers = [run.parser() for _ in range(params.n)]
+        parsers: dict[int, OutputParser] = {}
         num_calls = [0] * params.n
         try:
             for i in range(params.n):
                 role = DeltaMessage(role="assistant", content="")
                 yield chunk([ChatChunkChoice(index=i, delta=role)])
-            async for choice, delta, _ in choice_deltas([run.stream], params.n, False):
+            async for choice, delta, output in choice_deltas([run.stream], params.n, False):
                 usage.num_completion_tokens += len(delta.token_ids)
                 logprobs = self._logprobs(delta.token_ids, delta.logprobs, params)
-                text, calls, finish_reason = delta.text, [], delta.finish_reason
-                parser, i = parsers[choice.index], choice.index
-                if parser is not None:
-                    text, calls = parser.feed(text)
-                    if finish_reason is not None:
-                        rest, last = parser.finish()
-                        text, calls = text + rest, calls + last
-                    num_calls[i] += len(calls)
-                    finish_reason = _finish_reason(finish_reason, num_calls[i])
-                if not (text or calls or finish_reason or (logprobs and logprobs.content)):
+                i, finish_reason = choice.index, delta.finish_reason
+                parser = parsers.setdefault(i, run.parser(output.prompt))
+                thought, text, calls = parser.feed(delta.text, finish_reason is not None)
+                num_calls[i] += len(calls)
+                finish_reason = _finish_reason(finish_reason, num_calls[i])
+                if not (thought or text or calls or finish_reason or (logprobs and logprobs.content)):  # fmt: skip
                     continue
                 first = num_calls[i] - len(calls)
                 message = DeltaMessage(
-                    content=(text or None) if calls else text,
+                    content=(text or None) if calls or thought else text,
                     tool_calls=[
                         DeltaToolCall(index=first + k, id=t.id, function=_function(t))
                         for k, t in enumerate(calls)
                     ]
                     or None,
+                    **_reasoning(thought or None),
                 )
                 yield chunk(
                     [
@@ -321,6 +341,12 @@ class OpenAIServingChat(OpenAIServing):
 def _finish_reason(finish_reason: str | None, calls: list) -> str | None:
     """ "tool_calls" for a choice that stopped having called tools (OpenAI's reason)."""
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def _reasoning(thought: str | None) -> dict[str, str | None]:
+    """The reasoning under vLLM's current name and its older one (`reasoning_content`,
+    which older clients read)."""
+    return {"reasoning": thought, "reasoning_content": thought}
 
 
 def _function(call: ParsedCall) -> FunctionCall:

@@ -27,9 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagoda.entrypoints.openai.errors import (
@@ -39,13 +38,11 @@ from pagoda.entrypoints.openai.errors import (
 )
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagoda.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagoda.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagoda.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_STORE_SIZE = 1000
-DEFAULT_STORE_TTL_S = 3600.0
 
 # The chat request's field names, as a Responses body names them.
 _RENAMES = {
@@ -54,54 +51,6 @@ _RENAMES = {
     "messages": "input",
     "stop": "input",
 }
-
-
-# ---- the store ----------------------------------------------------------------------
-
-
-@dataclass
-class StoredResponse:
-    body: dict[str, Any]  # the response object as it was answered
-    conversation: list[dict]  # its input and output as chat messages, without instructions
-    stored_at: float = field(default_factory=time.monotonic)
-
-
-class ResponseStore:
-    """Stored responses by id: the newest `max_size`, each for `ttl_s` seconds."""
-
-    def __init__(self, max_size: int = DEFAULT_STORE_SIZE, ttl_s: float = DEFAULT_STORE_TTL_S):
-        if max_size < 0:
-            raise ValueError(f"max_stored_responses must be >= 0, got {max_size}.")
-        if not ttl_s > 0:
-            raise ValueError(f"stored_response_ttl must be > 0 seconds, got {ttl_s}.")
-        self.max_size, self.ttl_s = max_size, ttl_s
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def put(self, response_id: str, entry: StoredResponse) -> None:
-        self._entries[response_id] = entry
-        while len(self._entries) > self.max_size:
-            self._entries.popitem(last=False)
-
-    def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
-        """The stored response; a 404 naming the id if it is unknown or expired."""
-        entry = self._entries.get(response_id)
-        if entry is not None and time.monotonic() - entry.stored_at > self.ttl_s:
-            del self._entries[response_id]
-            entry = None
-        if entry is None:
-            raise APIError(
-                404,
-                f"Response with id '{response_id}' not found (it was not stored, or it "
-                f"expired or was deleted).",
-                "invalid_request_error",
-                param,
-                "response_not_found",
-            )
-        return entry
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        del self._entries[response_id]
 
 
 # ---- the request --------------------------------------------------------------------
@@ -225,6 +174,11 @@ def message_item(item_id: str, text: str | None, status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}  # fmt: skip
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}  # fmt: skip
+
+
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -268,11 +222,18 @@ class ServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
         self.chat, self.store = chat, store
         self.abort_unfinished = chat.abort_unfinished
+        self.reasoning = chat.engine.model_config.reasoning_parser is not None
 
     async def start(
         self, req: ResponsesRequest, trace_headers: Mapping[str, str] | None = None
     ) -> ResponsesRun:
         self.chat.check_supported(req)
+        effort = (req.reasoning or {}).get("effort")
+        if effort not in (None, "none") and not self.reasoning:
+            raise bad_request(
+                "reasoning: this server has no reasoning parser (start it with --reasoning-parser).",
+                "reasoning",
+            )
         messages = []
         if req.previous_response_id is not None:
             previous = self.store.get(req.previous_response_id, "previous_response_id")
@@ -294,6 +255,8 @@ class ServingResponses:
             tool_choice=tool_choice,
             parallel_tool_calls=req.parallel_tool_calls,
             response_format=response_format(req),
+            # effort "none": a thinking chat template's enable_thinking off
+            chat_template_kwargs={"enable_thinking": False} if effort == "none" else None,
         )
         try:
             run = await self.chat.start(chat_req, trace_headers)
@@ -325,7 +288,7 @@ class ServingResponses:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
             "store": req.store,
             "temperature": req.temperature,
             "text": {
@@ -364,6 +327,9 @@ class ServingResponses:
         (choice,) = response.choices
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         output = []
+        if choice.message.reasoning:
+            item_id = "rs_" + run.response_id.removeprefix("resp_")
+            output.append(reasoning_item(item_id, choice.message.reasoning, status))
         if choice.message.content:
             item_id = "msg_" + run.response_id.removeprefix("resp_")
             output.append(message_item(item_id, choice.message.content, status))
@@ -379,7 +345,22 @@ class ServingResponses:
         output: list[dict] = []
         text: list[str] = []  # the open message item's text
         item_id = "msg_" + run.response_id.removeprefix("resp_")
+        thought: list[str] = []  # the open reasoning item's text
+        reasoning_id = "rs_" + run.response_id.removeprefix("resp_")
         num_tokens = 0
+
+        def close_reasoning() -> list[str]:
+            if not thought:
+                return []
+            index, whole = len(output), "".join(thought)
+            item = reasoning_item(reasoning_id, whole, "completed")
+            output.append(item)
+            thought.clear()
+            at = {"item_id": reasoning_id, "output_index": index, "content_index": 0}
+            return [
+                events.emit("response.reasoning_text.done", **at, text=whole),
+                events.emit("response.output_item.done", output_index=index, item=item),
+            ]
 
         def close_text(status: str) -> list[str]:
             if not text:
@@ -399,8 +380,19 @@ class ServingResponses:
             start = self.body(run, "in_progress", [])
             yield events.emit("response.created", response=start)
             yield events.emit("response.in_progress", response=start)
-            async for piece, calls, delta in self.chat.parsed_deltas(run.chat):
+            async for thinking, piece, calls, delta in self.chat.parsed_deltas(run.chat):
                 num_tokens += len(delta.token_ids)
+                if thinking:
+                    index = len(output)
+                    at = {"item_id": reasoning_id, "output_index": index, "content_index": 0}
+                    if not thought:
+                        item = reasoning_item(reasoning_id, "", "in_progress")
+                        yield events.emit("response.output_item.added", output_index=index, item=item)  # fmt: skip
+                    thought.append(thinking)
+                    yield events.emit("response.reasoning_text.delta", **at, delta=thinking)
+                if piece or calls or delta.finish_reason is not None:
+                    for e in close_reasoning():
+                        yield e
                 if piece:
                     index = len(output)
                     at = {"item_id": item_id, "output_index": index, "content_index": 0}
