@@ -23,8 +23,8 @@ import torch  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.bench.report import machine_info  # noqa: E402
+from pagoda.eval.hf_agreement import QUESTIONS, agreement_with_hf_steps, load_hf  # noqa: E402
 from pagoda.model_executor.default_model import default_model_path  # noqa: E402
-from tests.helpers import QUESTIONS, agreement_with_hf_steps, load_hf  # noqa: E402
 
 PATHS = {"dequantized": {"quantization": "none"}, "blocks": {}}
 

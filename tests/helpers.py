@@ -31,6 +31,12 @@ import torch
 
 from pagoda import LLM, SamplingParams
 
+# The fidelity helpers live in pagoda (benchmarks/fidelity.py uses them too); the tests
+# import them from here as before.
+from pagoda.eval.hf_agreement import QUESTIONS as QUESTIONS
+from pagoda.eval.hf_agreement import agreement_with_hf_steps as agreement_with_hf_steps
+from pagoda.eval.hf_agreement import load_hf as load_hf
+
 if TYPE_CHECKING:
     from pagoda import LLMEngine
     from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -302,24 +308,6 @@ def smollm2_gguf() -> str | None:
     return None
 
 
-def agreement_with_hf_steps(hf, outputs) -> tuple[int, int]:
-    """(agreeing, total): each generated token against HF's own greedy choice on the same
-    prefix, HF decoding step by step with its KV cache (decode numerics on both sides).
-    Position-wise agreement after a first near-tie would measure luck, not fidelity."""
-    from transformers import DynamicCache
-
-    agree = total = 0
-    for out in outputs:
-        cache, step_ids = DynamicCache(), torch.tensor([out.prompt_token_ids])
-        for token in out.outputs[0].token_ids:
-            with torch.inference_mode():
-                logits = hf(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
-            agree += int(logits[0, -1].float().argmax()) == token
-            total += 1
-            step_ids = torch.tensor([[token]])
-    return agree, total
-
-
 def agreement_on_prefixes(scorer, prompts: list[list[int]], outputs: list[list[int]]) -> float:
     """The share of generated tokens that `scorer` (an LLM) would also have chosen greedily
     on the same prefix: rank 1 of its prompt logprobs over prompt + output."""
@@ -447,26 +435,6 @@ GGUF_OVERRIDES = {
 
 
 # ---- quantized weights and the shipped SmolLM2 ---------------------------------------------------
-
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a KV cache is in one sentence.",
-    "List three prime numbers.",
-    "How do I reverse a list in Python?",
-    "What is 12 times 7?",
-    "Give me a synonym for happy.",
-    "Why is the sky blue?",
-]
-
-
-def load_hf(gguf_path: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=dtype
-    ).eval()
 
 
 def assert_greedy_equals_hf(hf, prompts: list[list[int]], outs) -> None:
