@@ -13,6 +13,7 @@ from typing import Any
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # one parser: both write <think>...</think>
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # engine/tool_parsers.py
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")  # as pagoda.ops has them (no torch here)
 DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where torch sees a GPU
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # auto: the model's dtype

@@ -110,18 +110,15 @@ def inline_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
 # ---- forcing a call ----------------------------------------------------------------------------
 
 
-def call_grammar(tools: list[dict], name: str | None, parallel: bool, tag_ids: dict) -> str:
-    """A Lark grammar (llguidance's dialect) for one call, or one or more with
-    `parallel`, of the named tool or any: arguments that match the tool's schema.
-    `tag_ids`: the open/close tags' token ids where the tokenizer has them as one token
-    (the model writes them so; a string literal would force spelling them out)."""
+def call_schema(tools: list[dict], name: str | None, args_key: str = "arguments") -> dict:
+    """The JSON schema of one call of the named tool or any: {"name", args_key}."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    schema = {
+    return {
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
+                "required": ["name", args_key],
                 "additionalProperties": False,
             }
             for f in chosen
@@ -129,10 +126,19 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool, tag_ids: d
         "x-guidance": _JSON_LAYOUT,
     }
 
-    def tag(text: str) -> str:
-        return f"<[{tag_ids[text]}]>" if text in tag_ids else json.dumps(text)
 
-    call = f'{tag(OPEN)} "\\n" %json {json.dumps(schema)} "\\n" {tag(CLOSE)}'
+def tag(text: str, tag_ids: dict) -> str:
+    """A Lark literal for `text`: its token where the tokenizer has it as one (the model
+    writes it so; a string literal would force spelling it out)."""
+    return f"<[{tag_ids[text]}]>" if text in tag_ids else json.dumps(text)
+
+
+def call_grammar(tools: list[dict], name: str | None, parallel: bool, tag_ids: dict) -> str:
+    """A Lark grammar (llguidance's dialect) for one Hermes call, or one or more with
+    `parallel`, of the named tool or any: arguments that match the tool's schema.
+    `tag_ids`: the open/close tags' token ids where the tokenizer has them as one token."""
+    schema = json.dumps(call_schema(tools, name))
+    call = f'{tag(OPEN, tag_ids)} "\\n" %json {schema} "\\n" {tag(CLOSE, tag_ids)}'
     start = 'call ("\\n" call)*' if parallel else "call"
     return f"start: {start}\ncall: {call}\n"
 
@@ -156,7 +162,8 @@ class ToolCallParser:
         self.names = set(names)
         self.buffer = ""
         self.in_call = False
-        self.held = ""  # whitespace-only content, sent only if more content follows
+        self.held = ""  # trailing whitespace, sent only if more content follows
+        self.before_call = ""  # whitespace before the open call: dropped if it is one
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self.buffer += text
@@ -170,13 +177,19 @@ class ToolCallParser:
                 self.in_call = False
                 call = self._parse(body)
                 if call is None:  # not a call after all: it was text
-                    content += OPEN + body + CLOSE
+                    content += self.before_call + OPEN + body + CLOSE
                 else:
                     calls.append(call)
                 continue
             start = self.buffer.find(OPEN)
             if start >= 0:
-                content += self.buffer[:start]
+                # Whitespace right before a call is dropped if it is one, however the
+                # text was split; kept if it is not.
+                before = content + self.buffer[:start]
+                content = before.rstrip()
+                self.before_call = before[len(content) :]
+                if not content:
+                    self.before_call, self.held = self.held + self.before_call, ""
                 self.buffer = self.buffer[start + len(OPEN) :]
                 self.in_call = True
                 continue
@@ -194,35 +207,40 @@ class ToolCallParser:
             call = self._parse(rest)
             if call is not None:
                 return "", [call]
-            rest = OPEN + rest
-        content = self._content(rest)
+            rest = self.before_call + OPEN + rest
+        content, self.held = self.held + rest, ""
         return content, []
 
     def _content(self, text: str) -> str:
-        text, self.held = self.held + text, ""
-        if text.strip():
-            return text
-        self.held = text
-        return ""
+        """Content to emit now: trailing whitespace is held until more content
+        follows (or the output ends): if a call comes next, it is dropped."""
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body) :]
+        return body
 
     def _parse(self, body: str) -> ParsedCall | None:
         try:
-            call = json.loads(body)
+            return parsed_call(json.loads(body), self.names)
         except json.JSONDecodeError:
             return None
-        if not isinstance(call, dict) or call.get("name") not in self.names:
+
+
+def parsed_call(call: Any, names: set[str]) -> ParsedCall | None:
+    """A call of one of `names` from its JSON object ({"name", "arguments"} or Llama's
+    {"name", "parameters"}; arguments as an object or its JSON text), or None."""
+    if not isinstance(call, dict) or call.get("name") not in names:
+        return None
+    args = call.get("arguments", call.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
             return None
-        args = call.get("arguments", call.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        return ParsedCall(
-            f"call_{uuid.uuid4().hex[:24]}", call["name"], json.dumps(args, ensure_ascii=False)
-        )
+    if not isinstance(args, dict):
+        return None
+    arguments = json.dumps(args, ensure_ascii=False)
+    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", call["name"], arguments)
 
 
 def partial_tag_len(text: str, tag: str = OPEN) -> int:

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from pagoda import envs
+from pagoda.config import TOOL_CALL_PARSERS
 from pagoda.entrypoints.arg_utils import add_engine_args, engine_args_from
 
 
@@ -168,6 +169,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=3600.0,
         metavar="SECONDS",
         help="seconds a stored /v1/responses response is kept (default: 3600)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="hermes",
+        help="the format the model writes tool calls in (vLLM's names; default: hermes)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: tool_choice 'auto' is always on",
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument(

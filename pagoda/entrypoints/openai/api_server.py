@@ -163,16 +163,19 @@ def build_app(
     models: ServingModels | None = None,
     dashboard_interval: float = DASHBOARD_INTERVAL,
     response_store: ResponseStore | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The FastAPI app for `engine`. With `owns_engine`, the app's shutdown stops it.
     `models`: the served names with their LoRA adapters (default: the base model's
     `served_model_names` alone). `dashboard_interval`: seconds between the
     dashboard's samples of the engine. `response_store`: where /v1/responses keeps
-    stored responses (default: 1,000 for an hour)."""
+    stored responses (default: 1,000 for an hour). `tool_call_parser`: the format
+    models write calls in (see pagoda.engine.tool_parsers)."""
     if models is None:
         models = ServingModels(engine, list(served_model_names or [engine.model_name]))
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models)
+    chat.tool_call_parser = tool_call_parser
     messages = ServingMessages(chat)
     responses = ServingResponses(
         chat, response_store if response_store is not None else ResponseStore()
@@ -397,6 +400,7 @@ def run_server(ns: argparse.Namespace, engine_args) -> int:
         models=models,
         dashboard_interval=ns.dashboard_interval,
         response_store=response_store,
+        tool_call_parser=ns.tool_call_parser,
     )
     try:
         server.run()

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 
 from pagoda.engine.messages import RequestStream
 from pagoda.engine.reasoning import ReasoningParser
+from pagoda.engine.tool_parsers import MistralParser, forced_call_grammar, make_tool_parser
 from pagoda.engine.tools import (
     CLOSE,
     OPEN,
     ParsedCall,
-    ToolCallParser,
-    call_grammar,
     check_tools,
     tool_names,
 )
@@ -77,13 +76,14 @@ class ChatRun:
     stream: RequestStream
     tool_names: list[str] | None = None  # parse tool calls out of the text
     reasoning: bool = False  # split a <think> block off the text (--reasoning-parser)
+    tool_parser: str = "hermes"  # the calls' format (--tool-call-parser)
 
     @property
     def streams(self) -> list[RequestStream]:
         return [self.stream]
 
     def parser(self, prompt: str | None) -> OutputParser:
-        return OutputParser(prompt, self.reasoning, self.tool_names)
+        return OutputParser(prompt, self.reasoning, self.tool_names, self.tool_parser)
 
 
 class OutputParser:
@@ -92,9 +92,15 @@ class OutputParser:
     on the choice's final text. A whole response feeds all its text at once: the same
     split as its stream."""
 
-    def __init__(self, prompt: str | None, reasoning: bool, tool_names: list[str] | None):
+    def __init__(
+        self,
+        prompt: str | None,
+        reasoning: bool,
+        tool_names: list[str] | None,
+        tool_parser: str = "hermes",
+    ) -> None:
         self.reasoning = ReasoningParser(prompt) if reasoning else None
-        self.tools = ToolCallParser(tool_names) if tool_names is not None else None
+        self.tools = None if tool_names is None else make_tool_parser(tool_parser, tool_names)
 
     def feed(self, text: str, last: bool = False) -> tuple[str, str, list[ParsedCall]]:
         thought, calls = "", []
@@ -111,7 +117,9 @@ class OutputParser:
         return thought, text, calls
 
 
-def tool_setup(req: ChatCompletionRequest, tag_ids: dict) -> tuple[list | None, str | None]:
+def tool_setup(
+    req: ChatCompletionRequest, tag_ids: dict, parser: str = "hermes"
+) -> tuple[list | None, str | None]:
     """(the checked tools to render, the grammar forcing a call or None) for the
     body's tools and tool_choice; a 400 for a bad combination."""
     choice = req.tool_choice
@@ -144,10 +152,15 @@ def tool_setup(req: ChatCompletionRequest, tag_ids: dict) -> tuple[list | None, 
             "tool_choice must be 'none', 'auto', 'required' or a function.", "tool_choice"
         )
     parallel = name is None and req.parallel_tool_calls is not False
-    return tools, call_grammar(tools, name, parallel, tag_ids)
+    try:
+        return tools, forced_call_grammar(parser, tools, name, parallel, tag_ids)
+    except InvalidRequestError as e:
+        raise from_invalid(e) from e
 
 
 class OpenAIServingChat(OpenAIServing):
+    tool_call_parser = "hermes"  # the server's --tool-call-parser
+
     @staticmethod
     def conversation(req) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in req.messages]
@@ -184,7 +197,7 @@ class OpenAIServingChat(OpenAIServing):
             renames["max_tokens"] = "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         constraint, source = self.structured_outputs(req, req.response_format)
-        tools, call_grammar_ = tool_setup(req, self.tag_ids)
+        tools, call_grammar_ = tool_setup(req, self.tag_ids, self.tool_call_parser)
         if call_grammar_ is not None:
             if constraint is not None:
                 raise bad_request(
@@ -198,6 +211,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(
             req, renames, max_tokens, logprobs, structured_outputs=constraint
         )
+        if tools and self.tool_call_parser == "mistral":
+            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
         prompt = {
             "messages": self.conversation(req),
             "add_generation_prompt": req.add_generation_prompt,
@@ -213,13 +228,15 @@ class OpenAIServingChat(OpenAIServing):
         )
         names = tool_names(tools) if tools else None
         reasoning = self.engine.model_config.reasoning_parser is not None
-        return ChatRun(req, response_id, model, params, stream, names, reasoning)
+        return ChatRun(
+            req, response_id, model, params, stream, names, reasoning, self.tool_call_parser
+        )
 
     @functools.cached_property
     def tag_ids(self) -> dict[str, int]:
         """The tool-call tags that this tokenizer has as single tokens."""
         out = {}
-        for tag in (OPEN, CLOSE):
+        for tag in (OPEN, CLOSE, MistralParser.MARKER):
             ids = self.tokenizer.encode(tag, add_special_tokens=False)
             if len(ids) == 1:
                 out[tag] = ids[0]
