@@ -42,7 +42,8 @@ class GrammarAdmission(SchedulerPart):
             return None
         if request.before_grammar:  # the grammar starts after the reasoning's end
             after = request.sampling_params.grammar_after
-            request.before_grammar = tuple(request.output_token_ids[-len(after) :]) != after
+            tail = request.all_token_ids[-len(after) :]  # the last tokens, not a copy of all
+            request.before_grammar = request.num_output_tokens < len(after) or tuple(tail) != after
             return None
         if not request.grammar.accept(token_id):
             return RequestStatus.FINISHED_ERROR

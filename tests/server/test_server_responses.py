@@ -178,7 +178,7 @@ def test_input_items():
             {"type": "input_text", "text": "see"},
             {"type": "input_image", "image_url": "data:image/png;base64,AA=="},
         ]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok", "annotations": []}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok", "annotations": []}, {"type": "refusal", "refusal": "!"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "reasoning", "id": "r", "summary": []},
         {"type": "function_call_output", "call_id": "c1", "output": "done"},
@@ -189,7 +189,7 @@ def test_input_items():
             {"type": "text", "text": "see"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
         ]},
-        {"role": "assistant", "content": "ok", "tool_calls": [
+        {"role": "assistant", "content": "ok!", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         ]},
         {"role": "tool", "tool_call_id": "c1", "content": "done"},

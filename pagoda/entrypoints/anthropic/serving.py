@@ -34,7 +34,7 @@ from pagoda.entrypoints.anthropic.protocol import (
     ToolUseBlock,
     Usage,
 )
-from pagoda.entrypoints.openai.errors import APIError, bad_request, failure_to_api_error
+from pagoda.entrypoints.openai.errors import APIError, bad_request, failure_to_api_error, renamed
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagoda.errors import EngineDeadError, RequestFailedError
@@ -82,6 +82,10 @@ def _tool_message(block: ToolResultBlock, where: str) -> dict:
     return {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
 
 
+# Blocks a message of that role cannot hold.
+_WRONG_ROLE = {ToolUseBlock: "user", ToolResultBlock: "assistant", ImageBlock: "assistant"}
+
+
 def conversation(req: CountTokensRequest) -> list[dict]:
     """The body's system prompt and messages as chat completions messages."""
     out: list[dict] = []
@@ -95,12 +99,7 @@ def conversation(req: CountTokensRequest) -> list[dict]:
         calls: list[dict] = []
         for j, block in enumerate(message.content):
             where = f"messages[{i}].content[{j}]"
-            wrong_role = {
-                ToolUseBlock: "user",
-                ToolResultBlock: "assistant",
-                ImageBlock: "assistant",
-            }
-            if wrong_role.get(type(block)) == message.role:
+            if _WRONG_ROLE.get(type(block)) == message.role:
                 raise bad_request(
                     f"{where}: a {message.role} message has no {block.type} block.", "messages"
                 )
@@ -286,10 +285,7 @@ class ServingMessages:
             chat_req = to_chat_request(req, self.reasoning)
             return await self.chat.start(chat_req, trace_headers)
         except APIError as e:
-            name = _RENAMES.get(e.param or "")
-            if name is not None and e.message.startswith(e.param):
-                e.message = name + e.message[len(e.param) :]
-            raise
+            raise renamed(e, _RENAMES) from None
 
     async def full_response(self, run: ChatRun) -> MessageResponse:
         response = await self.chat.full_response(run)

@@ -60,6 +60,17 @@ def from_invalid(error: InvalidRequestError, renames: dict[str, str] | None = No
     return bad_request(message, param, error.code)
 
 
+def renamed(error: APIError, renames: dict[str, str]) -> APIError:
+    """`error` naming the field as another API's body names it (its param, and the
+    message that starts with it): for endpoints translated onto chat completions."""
+    name = renames.get(error.param or "")
+    if name is not None:
+        if error.message.startswith(error.param):
+            error.message = name + error.message[len(error.param) :]
+        error.param = name
+    return error
+
+
 def failure_to_api_error(error: BaseException) -> APIError:
     """What a client sees of a request that failed after it was accepted."""
     if isinstance(error, RequestFailedError):

@@ -35,6 +35,7 @@ from pagoda.entrypoints.openai.errors import (
     APIError,
     bad_request,
     failure_to_api_error,
+    renamed,
 )
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -49,7 +50,6 @@ _RENAMES = {
     "max_tokens": "max_output_tokens",
     "response_format": "text",
     "messages": "input",
-    "stop": "input",
 }
 
 
@@ -73,10 +73,11 @@ def _text_of(content: Any, where: str, kinds: tuple[str, ...]) -> list[dict]:
             if not isinstance(url, str):
                 raise bad_request(f"{at}: an input_image needs image_url (file_id is not served).", "input")  # fmt: skip
             parts.append({"type": "image_url", "image_url": {"url": url}})
-        elif not isinstance(part.get("text"), str):
-            raise bad_request(f"{at}.text must be a string.", "input")
         else:
-            parts.append({"type": "text", "text": part["text"]})
+            text = part.get("refusal" if kind == "refusal" else "text")
+            if not isinstance(text, str):
+                raise bad_request(f"{at}: its text must be a string.", "input")
+            parts.append({"type": "text", "text": text})
     return parts
 
 
@@ -212,7 +213,7 @@ class ResponsesRun:
     conversation: list[dict]  # what the stored response continues from
 
     @property
-    def streams(self):
+    def streams(self) -> list:
         return self.chat.streams
 
 
@@ -261,12 +262,7 @@ class ServingResponses:
         try:
             run = await self.chat.start(chat_req, trace_headers)
         except APIError as e:
-            name = _RENAMES.get(e.param or "")
-            if name is not None:
-                if e.message.startswith(e.param):
-                    e.message = name + e.message[len(e.param) :]
-                e.param = name
-            raise
+            raise renamed(e, _RENAMES) from None
         response_id = "resp_" + run.response_id.removeprefix("chatcmpl-")
         return ResponsesRun(req, run, response_id, int(time.time()), messages)
 
