@@ -13,12 +13,14 @@ if TYPE_CHECKING:
     from pagoda.engine_args import EngineArgs
     from pagoda.entrypoints.llm import LLM
     from pagoda.lora.request import LoRARequest
-    from pagoda.outputs import CompletionOutput, RequestOutput
-    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagoda.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+    from pagoda.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagoda.entrypoints.llm",
+    "BeamSearchOutput": "pagoda.outputs",
+    "BeamSearchParams": "pagoda.sampling_params",
     "CompletionOutput": "pagoda.outputs",
     "EngineArgs": "pagoda.engine_args",
     "LLMEngine": "pagoda.engine.llm_engine",
@@ -29,6 +31,8 @@ _EXPORTS = {
 }
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",

@@ -42,6 +42,27 @@ class CompletionOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search` (vLLM's shape): `tokens` hold the prompt and the
+    output, `text` their text (without a final stop token)."""
+
+    tokens: list[int]
+    logprobs: list[PositionLogprobs]  # one per output token: its own logprob
+    lora_request: LoRARequest | None = None
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
 class RequestMetrics:
     """A request's timeline (time.monotonic() seconds); kept by the output processor."""
 

@@ -114,6 +114,23 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
+    def copy_as(self, request_id: str, sampling_params: SamplingParams | None = None) -> Request:
+        """A new waiting request with this one's tokens so far (nothing computed) and
+        everything else of it; a beam's fork (core/beams.py)."""
+        copy = Request(
+            request_id,
+            self.prompt_token_ids,
+            sampling_params or self.sampling_params,
+            self.priority,
+            self.arrival_time,
+            self.lora_request,
+            self.trace_headers,
+            self.mm_features,
+        )
+        copy.all_token_ids = list(self.all_token_ids)
+        copy.first_scheduled_time = self.first_scheduled_time
+        return copy
+
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 

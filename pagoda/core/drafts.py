@@ -29,9 +29,11 @@ class Drafts:
         """Draft tokens for a request about to compute its last token (`token_limit`:
         how far it may compute, all its tokens unless it leads a fork), within
         `budget` tokens and its `slots` (its blocks and the spare ones); [] if none fit."""
+        params = request.sampling_params
         if token_limit != request.num_tokens or request.num_computed_tokens != token_limit - 1:
             return []
-        params = request.sampling_params
+        if params.use_beam_search:  # a beam's next token is its group's choice
+            return []
         # All drafts accepted means k + 1 new tokens: within max_tokens and max_model_len.
         room = self.max_model_len - request.num_tokens - 1
         if params.max_tokens is not None:

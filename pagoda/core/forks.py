@@ -33,11 +33,16 @@ class Forks:
             return []
         siblings = self.waiters.pop(leader.request_id, [])
         for sibling in siblings:
-            self.kv_cache_manager.fork(leader, sibling)
-            sibling.num_computed_tokens = leader.num_computed_tokens
-            sibling.status = RequestStatus.RUNNING
-            sibling.first_scheduled_time = time.monotonic()
+            self.share(leader, sibling)
         return siblings
+
+    def share(self, parent: Request, child: Request) -> None:
+        """`child` starts running with `parent`'s blocks and computed tokens."""
+        self.kv_cache_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        if child.first_scheduled_time is None:
+            child.first_scheduled_time = time.monotonic()
 
     def drop_sibling(self, request: Request) -> bool:
         """Take a waiting sibling out (it was aborted); False if it is not one."""

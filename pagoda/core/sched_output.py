@@ -160,3 +160,31 @@ class EngineCoreOutput:
     scheduled_time: float | None = None  # set on the step that first scheduled the request
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0  # times the request was preempted so far
+    cumulative_logprob: float | None = None  # a beam search's completion: its float32 sum
+
+    @classmethod
+    def of(
+        cls,
+        request_id: str,
+        request: Request,
+        start: int,
+        token_ids: list[int] | None,
+        logprobs,
+        prompt_logprobs,
+        scheduled_time: float | None,
+    ) -> EngineCoreOutput | None:
+        """What a step from position `start` did to `request` (known to the user's request
+        as `request_id`); None for a prefill chunk with nothing to report."""
+        if token_ids is None and prompt_logprobs is None and scheduled_time is None:
+            return None
+        return cls(
+            request_id,
+            token_ids or [],
+            request.status.finish_reason,
+            request.stop_reason,
+            logprobs=logprobs[: len(token_ids)] if logprobs and token_ids else None,
+            prompt_logprobs=(start, prompt_logprobs) if prompt_logprobs is not None else None,
+            scheduled_time=scheduled_time,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+        )

@@ -7,8 +7,8 @@ prefix-cache hit and a decode token are the same arithmetic.
 The scheduler owns the queues, each request's lifecycle, the budget, preemption
 (recompute or swap) and priority; features sit beside it. The encoder budget, LoRA
 admission and grammar admission are `SchedulerPart`s it calls at fixed points
-(`core/scheduler_part.py`); drafts (`core/drafts.py`) and forks (`core/forks.py`)
-are parts it calls by name.
+(`core/scheduler_part.py`); drafts (`core/drafts.py`), forks (`core/forks.py`) and
+beam search (`core/beams.py`) are parts it calls by name.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
+from pagoda.core.beams import BeamSearch
 from pagoda.core.drafts import Drafts
 from pagoda.core.encoder_cache import EncoderBudget
 from pagoda.core.forks import Forks
@@ -84,11 +85,14 @@ class Scheduler:
         spec = config.speculative
         self.drafts = Drafts(spec, config.max_model_len) if spec is not None else None
         self.forks = Forks(kv_cache_manager)
+        self.beams = BeamSearch(config.max_model_len)
 
     def add_request(self, request: Request, fork_siblings: Iterable[Request] = ()) -> None:
         """Queue a request. `fork_siblings` (same prompt and params) will share its
         prompt's blocks instead of computing the prompt again."""
         siblings = list(fork_siblings)
+        if request.sampling_params.use_beam_search:  # the completions: its best beams
+            request, siblings = self.beams.add([request, *siblings]), []
         for r in (request, *siblings):
             self.requests[r.request_id] = r
             if r.sampling_params.grammar is not None:
@@ -99,9 +103,10 @@ class Scheduler:
         self.forks.add(request, siblings)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish (abort, or stop on a stop string) the given requests; unknown ids are ignored."""
+        """Finish (abort, or stop on a stop string) the given requests; unknown ids are
+        ignored. A beam search's completion ids finish all its beams."""
         finished = []
-        for request_id in request_ids:
+        for request_id in self.beams.expand(request_ids):
             request = self.requests.get(request_id)
             if request is None or request.status.finished:
                 continue
@@ -123,6 +128,7 @@ class Scheduler:
         allocated for that step, which may hold nothing valid: a request of the same step
         that holds one must be recomputed (`recompute_requests`)."""
         suspect: set[int] = set()
+        request_ids = self.beams.expand(request_ids)
         for request_id in request_ids:
             request = self.requests.get(request_id)
             self.in_flight.discard(request_id)
@@ -146,17 +152,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def take_grammar_failures(self) -> dict[str, str]:
-        """Requests whose grammar failed to compile since the last call -> why (the
-        engine ends them)."""
-        return self.grammars.take_failures() if self.grammars is not None else {}
-
-    def wait_for_grammars(self, timeout: float) -> None:
-        """With nothing to run but requests waiting for their grammar: block until one
-        compiles (or `timeout`), instead of spinning."""
-        if self.grammars is not None:
-            self.grammars.wait(timeout)
-
     def schedule(self, max_requests: int | None = None) -> SchedulerOutput:
         """The next step. `max_requests`: at most this many requests in it (pipeline
         parallel splits the requests over the steps it keeps in flight)."""
@@ -170,6 +165,8 @@ class Scheduler:
         self._schedule_running(step)
         if not step.running_short:
             self._schedule_waiting(step)
+        if not step.scheduled and self.waiting:
+            self._park_idle_beams(step)
         self.in_flight.update(item.request_id for item in step.scheduled)
         return self._output(step)
 
@@ -238,6 +235,16 @@ class Scheduler:
                     self._take(step, r, num)
                 continue
             self._take(step, request, num_new)
+
+    def _park_idle_beams(self, step: _Step) -> None:
+        """Nothing could run, yet requests wait: beams waiting for their group (holding
+        blocks, computing nothing) give their blocks back, and the queue tries again."""
+        idle = [r for r in self.running if self.beams.reported(r) and r.request_id not in self.in_flight]  # fmt: skip
+        for request in idle:
+            self._preempt(request)
+            step.preempted.append(request.request_id)
+        if idle:
+            self._schedule_waiting(step)
 
     def _allocate_waiting(self, request: Request, budget: int) -> int | None:
         """Blocks for a waiting request's first chunk (swapped back in, or after its
@@ -316,42 +323,38 @@ class Scheduler:
                 continue
             token_ids = sampled.get(item.request_id)
             self._advance(request, item, token_ids)
-            if token_ids is not None:
+            if token_ids is not None and self.beams.owns(request):  # its group appends
+                self.beams.report(request, logprobs[item.request_id][0])
+                token_ids = None
+            elif token_ids is not None:
                 if item.num_draft_tokens:
                     self.drafts.verified(request, item, len(token_ids))
                 token_ids = self._append(request, token_ids)
-            output = self._core_output(
-                request,
-                item,
-                token_ids,
-                logprobs.get(item.request_id),
-                prompt_logprobs.get(item.request_id),
-            )
+            rid = item.request_id
+            output = EngineCoreOutput.of(
+                self.beams.completion_id(rid), request, item.num_computed_tokens, token_ids,
+                logprobs.get(rid), prompt_logprobs.get(rid), self.newly_scheduled.pop(rid, None),
+            )  # fmt: skip
             if output is not None:
                 outputs.append(output)
-        return outputs
+        return outputs + self._step_beams()
 
-    def _core_output(
-        self, request: Request, item: ScheduledRequest, token_ids, logprobs, prompt_logprobs
-    ) -> EngineCoreOutput | None:
-        """What the step did to the request, for the output processor; None for a prefill
-        chunk with nothing to report."""
-        scheduled_time = self.newly_scheduled.pop(item.request_id, None)
-        if token_ids is None and prompt_logprobs is None and scheduled_time is None:
-            return None
-        return EngineCoreOutput(
-            request.request_id,
-            token_ids or [],
-            request.status.finish_reason,
-            request.stop_reason,
-            logprobs=logprobs[: len(token_ids)] if logprobs and token_ids else None,
-            prompt_logprobs=(
-                (item.num_computed_tokens, prompt_logprobs) if prompt_logprobs is not None else None
-            ),
-            scheduled_time=scheduled_time,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-        )
+    def _step_beams(self) -> list[EngineCoreOutput]:
+        """Groups whose every beam reported take their step: beams continued, forked
+        (sharing the parent's blocks where it holds them) or ended (core/beams.py)."""
+        outputs = []
+        for step in self.beams.take_steps():
+            for parent, child in step.shared:
+                self.requests[child.request_id] = child
+                self.forks.share(parent, child)
+                self.running.append(child)
+            for request in step.queued:
+                self.requests[request.request_id] = request
+                self.waiting.prepend(request)
+            self.finish_requests([r.request_id for r in step.ended], RequestStatus.FINISHED_STOPPED)
+            self.num_generation_tokens += step.num_tokens
+            outputs += step.outputs
+        return outputs
 
     def _advance(
         self, request: Request, item: ScheduledRequest, token_ids: list[int] | None
@@ -378,7 +381,10 @@ class Scheduler:
         status = None
         for n, token_id in enumerate(token_ids, 1):
             request.append_output_token(token_id)
-            status = self._token_status(request, token_id)
+            # A part may end it (a grammar complete or refused), else a stop condition.
+            statuses = (part.token_appended(request, token_id) for part in self.parts)
+            status = next((s for s in statuses if s is not None), None)
+            status = status or request.stop_status(token_id, self.config.max_model_len)
             if status is not None:
                 token_ids = token_ids[:n]
                 break
@@ -465,22 +471,15 @@ class Scheduler:
             self.num_preemptions["recompute"] += 1
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.prepend(request)
-
-    def _token_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        """Whether the token just appended ends the request: a part says so (a grammar
-        complete or refused), or a stop condition."""
-        for part in self.parts:
-            status = part.token_appended(request, token_id)
-            if status is not None:
-                return status
-        return request.stop_status(token_id, self.config.max_model_len)
+        if not self.beams.park(request):  # a beam that reported waits for its group
+            self.waiting.prepend(request)
 
     def _release(self, request: Request, finished: bool) -> None:
         for part in self.parts:
             part.released(request, finished)
         if self.drafts is not None:
             self.drafts.released(request, finished)
+        self.beams.released(request, finished)
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -495,6 +494,5 @@ class Scheduler:
         return scheduler_stats(self)
 
     def progress(self, limit: int) -> list[RequestProgress]:
-        """At most `limit` sequences: running ones first, then the waiting queue in
-        order, then those waiting elsewhere (to fork)."""
+        """At most `limit` sequences: running, then waiting in order, then the others."""
         return progress(self, limit)

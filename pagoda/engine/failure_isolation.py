@@ -100,9 +100,8 @@ class FailureIsolation:
             run(live, known_to_fail=len(live) == len(sched.scheduled))
         # Decide by user requests, not completions: one request with n = 4 whose sampling
         # fails is one request failing alone.
-        op = self.output_processor
-        failed = {op.parent_id(cid) for cid in failures}
-        scheduled = {op.parent_id(s.request_id) for s in live}
+        failed = {self._parent_id(cid) for cid in failures}
+        scheduled = {self._parent_id(s.request_id) for s in live}
         real_failures = [e for e in failures.values() if not isinstance(e, InvalidRequestError)]
         self.num_failed_steps = self.num_failed_steps + 1 if real_failures else 0
         # Requests that all failed by their own input (say, the same unreadable adapter)
@@ -119,6 +118,10 @@ class FailureIsolation:
             logger.error("request %s failed in its step: %r", request_id, error, exc_info=error)
         return ModelRunnerOutput.merge(results), failures
 
+    def _parent_id(self, request_id: str) -> str:
+        """The user's request that a scheduler request (a completion, or a beam) serves."""
+        return self.output_processor.parent_id(self.scheduler.beams.completion_id(request_id))
+
     def end_failed(
         self, sched: SchedulerOutput, failures: dict[str, BaseException], now: float
     ) -> tuple[SchedulerOutput, list[RequestOutput], IterationStats]:
@@ -127,7 +130,7 @@ class FailureIsolation:
         for the step may hold nothing valid: another request of the step that shares one
         (a same-step prefix hit) goes back to compute its tokens again."""
         op = self.output_processor
-        by_parent = {op.parent_id(cid): error for cid, error in failures.items()}
+        by_parent = {self._parent_id(cid): error for cid, error in failures.items()}
         ended = {cid for parent in by_parent for cid in op.child_ids(parent)}
         suspect = self.scheduler.fail_requests(ended)
         retry = {

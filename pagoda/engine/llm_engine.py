@@ -230,7 +230,7 @@ class LLMEngine:
             # stage has one to work on.
             share = -(-len(self.scheduler.requests) // self._pipeline_depth)
             scheduler_output = self.scheduler.schedule(max_requests=max(1, share))
-        outputs = self._fail_grammars(self.scheduler.take_grammar_failures())
+        outputs = self._fail_grammars(self.scheduler.grammars.take_failures())
         if scheduler_output is not None:  # a step that only swaps out must swap too
             self.model_runner.move_blocks(scheduler_output)
         if scheduler_output is not None and not scheduler_output.is_empty:
@@ -244,7 +244,7 @@ class LLMEngine:
             if len(self._steps_in_flight) < self._pipeline_depth:
                 return outputs  # the first stage starts on the next step meanwhile
         if not self._steps_in_flight:
-            self.scheduler.wait_for_grammars(timeout=0.05)  # rather than spin
+            self.scheduler.grammars.wait(timeout=0.05)  # a grammar compiling: rather than spin
             return outputs
         return outputs + self._update(*self._collect_oldest())
 

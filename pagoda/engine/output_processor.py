@@ -300,6 +300,8 @@ class OutputProcessor:
             for chosen, entry in out.logprobs[: len(new_token_ids)]:
                 c.new_logprobs.append(self._to_logprobs(entry))
                 c.cumulative_logprob = (c.cumulative_logprob or 0.0) + entry[chosen][0]
+        if out.cumulative_logprob is not None:
+            c.cumulative_logprob = out.cumulative_logprob
         c.new_text += text
         if stop_str is not None:
             c.finish("stop", stop_str)

@@ -136,6 +136,11 @@ class RequestValidator:
         room = self.max_model_len - num_prompt_tokens
         p.check_fields()
         check_int(p.n, "n", 1, limits.max_n)
+        if p.use_beam_search:
+            name = "n" if p.best_of is None else "best_of"
+            check_int(p.beam_width, name, 1, min(limits.max_n, vocab // 2))
+            if p.logprobs not in (None, 0):  # a beam's tokens carry their own logprobs only
+                fail("logprobs", "must be 0 or unset with use_beam_search", p.logprobs)
         logit_bias = self._check_logit_bias(p.logit_bias)
         if p.allowed_token_ids is not None:
             self.check_token_ids(p.allowed_token_ids, "allowed_token_ids", vocab)

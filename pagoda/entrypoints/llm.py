@@ -14,8 +14,8 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.engine_args import EngineArgs
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -77,6 +77,24 @@ class LLM:
             raise
         return self._run_engine(request_ids, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: each prompt's `params.beam_width` best beams, best
+        first (transformers' `generate(num_beams=...)`, step for step; see
+        pagoda/core/beams.py). Beams share their common blocks in the KV cache."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm, lora_request)
+        tokenizer = self.get_tokenizer()
+        return [
+            BeamSearchOutput([_beam(out, c, tokenizer) for c in out.outputs]) for out in outputs
+        ]
+
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
@@ -137,6 +155,15 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _beam(out: RequestOutput, c, tokenizer) -> BeamSearchSequence:
+    tokens = out.prompt_token_ids + c.token_ids
+    text_tokens = tokens[:-1] if c.finish_reason == "stop" else tokens
+    return BeamSearchSequence(
+        tokens, c.logprobs or [], out.lora_request, c.cumulative_logprob or 0.0,
+        tokenizer.decode(text_tokens), c.finish_reason, c.stop_reason,
+    )  # fmt: skip
 
 
 def _per_prompt(value: Any, name: str, num_prompts: int) -> list:

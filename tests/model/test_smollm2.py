@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, BeamSearchParams, SamplingParams
 from tests.helpers import QUESTIONS, agreement_with_hf_steps, load_hf, quantized_modules
 
 pytestmark = pytest.mark.slow
@@ -56,3 +56,36 @@ def test_smollm2_bf16_greedy_agrees_with_hf_bf16(gguf_path):
     agree, total = agreement_with_hf_steps(load_hf(gguf_path, torch.bfloat16), outs)
     assert total == 8 * 32
     assert agree / total >= 0.9, f"bf16 greedy agreement with HF bf16: {agree}/{total}"
+
+
+def test_smollm2_beam_search_matches_hf(gguf_path):
+    """Beam search on the real model (fp32, the GGUF's blocks dequantized on both sides):
+    every returned beam equal to transformers' `generate(num_beams=4)`, scores too."""
+    llm = LLM(gguf_path, dtype="float32", quantization="none", kv_cache_memory_bytes=1 << 28)
+    tok = llm.get_tokenizer()
+    eos = list(llm.llm_engine.model_config.eos_token_ids)
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    params = BeamSearchParams(beam_width=4, max_tokens=16, length_penalty=0.6)
+    prompts = [
+        tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for c in convs
+    ]
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    hf = load_hf(gguf_path, torch.float32)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                num_beams=4, num_return_sequences=4, length_penalty=0.6, eos_token_id=eos,
+                pad_token_id=eos[0], return_dict_in_generate=True, output_scores=True,
+                repetition_penalty=1.0, no_repeat_ngram_size=0,
+            )  # fmt: skip
+        for seq, score, beam in zip(
+            ref.sequences, ref.sequences_scores, out.sequences, strict=True
+        ):
+            tokens = seq[len(prompt) :].tolist()
+            end = next((i for i, t in enumerate(tokens) if t in eos), None)
+            tokens = tokens if end is None else tokens[: end + 1]
+            assert beam.tokens[len(prompt) :] == tokens
+            assert beam.cum_logprob / len(tokens) ** 0.6 == pytest.approx(score.item(), abs=1e-4)

@@ -573,3 +573,34 @@ def test_a_huge_prompt_does_not_stall_the_server(server):
     thread.join(120)
     error = _error(result["r"], 400, "prompt")
     assert error["code"] == "context_length_exceeded"
+
+
+def test_beam_search_through_the_openai_client(client, llm):
+    """vLLM's extra fields: use_beam_search with n, best_of and length_penalty on
+    completions and chat (whole and streamed), the same beams as `LLM.generate`."""
+    extra = {"use_beam_search": True, "best_of": 3, "length_penalty": 0.8}
+    params = SamplingParams(n=2, temperature=0, max_tokens=12, **extra)
+    prompt = [17, 42, 99, 7, 256, 31]
+    (expected,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    texts = [c.text for c in expected.outputs]
+    out = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, n=2, extra_body=extra
+    )
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == texts
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+
+    messages = [{"role": "user", "content": "Hello world, how are you?"}]
+    (expected,) = llm.chat(messages, params, use_tqdm=False)
+    texts = [c.text for c in expected.outputs]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, n=2, extra_body=extra
+    )
+    assert [c.message.content for c in whole.choices] == texts
+    assert [c.finish_reason for c in whole.choices] == [c.finish_reason for c in expected.outputs]
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, n=2, stream=True, extra_body=extra
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts

@@ -134,8 +134,13 @@ CASES = [
     ("/v1/chat/completions", chat(messages=[]), "messages"),
     # Fields pagoda does not know, or values it cannot honour: refused by name.
     ("/v1/completions", completion(frobnicate=1), "frobnicate"),
-    ("/v1/completions", completion(use_beam_search=True), "use_beam_search"),
+    ("/v1/completions", completion(use_beam_search=True, temperature=0.7), "temperature"),
+    ("/v1/completions", completion(use_beam_search=True, stop=["x"]), "stop"),
+    ("/v1/completions", completion(use_beam_search=True, logprobs=2), "logprobs"),
+    ("/v1/completions", completion(use_beam_search=True, n=2, best_of=5), "best_of"),  # --max-n 4
+    ("/v1/completions", completion(use_beam_search=True, early_stopping="soon"), "early_stopping"),
     ("/v1/completions", completion(best_of=3), "best_of"),
+    ("/v1/completions", completion(length_penalty=0.5), "length_penalty"),
     ("/v1/completions", completion(guided_json={"type": "objec"}), "guided_json"),
     ("/v1/completions", completion(suffix="x"), "suffix"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), "tools"),
@@ -322,6 +327,11 @@ SAMPLING = {
         {},
     ),
     "user": (st.text(max_size=10), {"surrogate": surrogate}),
+    # Beam search refuses most sampling fields: set often enough to meet them.
+    "use_beam_search": (st.booleans(), {}),
+    "best_of": (st.integers(1, 4), {"int": edge_int}),
+    "length_penalty": (st.floats(-2, 2), {"int": st.sampled_from([1e308, -1e308])}),
+    "early_stopping": (st.sampled_from([True, False, "never"]), {"junk": st.just("soon")}),
 }
 COMPLETION = {
     **SAMPLING,
@@ -381,15 +391,80 @@ DETOKENIZE = {
         {"id": plus(tokens, edge_int), "size": st.just([1] * 10_000)},
     )
 }
+text_blocks = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": word}), min_size=1, max_size=2
+)
+anthropic_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]), "content": st.one_of(word, text_blocks)}
+)
+anthropic_messages = st.lists(anthropic_message, min_size=1, max_size=3).map(
+    lambda ms: [{**ms[0], "role": "user"}, *ms[1:]]
+)
+ANTHROPIC_MESSAGES = {  # Anthropic's /v1/messages
+    "model": (st.just("tiny"), {"surrogate": surrogate}),
+    "messages": (
+        anthropic_messages,
+        {
+            "surrogate": plus(anthropic_messages, st.just({"role": "user", "content": "\ud800"})),
+            "size": st.sampled_from([[], [{"role": "user", "content": "fox " * 600}]]),
+            "junk": plus(anthropic_messages, junk),
+        },
+    ),
+    "max_tokens": (st.integers(1, 8), {"int": edge_int}),
+    "system": (st.one_of(word, text_blocks), {"surrogate": surrogate}),
+    "temperature": (st.floats(0, 1), {"int": st.sampled_from([-0.5, 1e308])}),
+    "top_p": (st.floats(0.01, 1), {"int": st.sampled_from([0.0, 1.5, -1.0])}),
+    "top_k": (st.integers(1, 50), {"int": edge_int}),
+    "stop_sequences": (
+        st.lists(word, max_size=2),
+        {"surrogate": plus(words, surrogate), "size": st.just([str(i) for i in range(50)])},
+    ),
+    "metadata": (
+        st.fixed_dictionaries({"user_id": word}),
+        {"surrogate": st.fixed_dictionaries({"user_id": surrogate})},
+    ),
+}
+input_items = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": word}),
+    min_size=1,
+    max_size=2,
+)
+RESPONSES = {  # OpenAI's /v1/responses
+    "model": (st.just("tiny"), {"surrogate": surrogate}),
+    "input": (
+        st.one_of(word, input_items),
+        {
+            "surrogate": st.one_of(
+                surrogate, plus(input_items, st.just({"role": "user", "content": "\udfff"}))
+            ),
+            "size": st.sampled_from(["", [], "fox " * 600]),
+            "junk": plus(input_items, junk),
+        },
+    ),
+    "instructions": (word, {"surrogate": surrogate}),
+    "max_output_tokens": (st.integers(1, 8), {"int": edge_int}),
+    "temperature": (st.floats(0, 2), {"int": st.sampled_from([-0.5, 1e308])}),
+    "top_p": (st.floats(0.01, 1), {"int": st.sampled_from([0.0, 1.5])}),
+    "store": (st.booleans(), {}),
+    "text": (
+        st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+        {"junk": st.just({"format": {"type": "xml"}})},
+    ),
+    "previous_response_id": (st.sampled_from(["resp_missing"]), {"surrogate": surrogate}),
+}
 ROUTES = {
     "/v1/completions": COMPLETION,
     "/v1/chat/completions": CHAT,
+    "/v1/messages": ANTHROPIC_MESSAGES,
+    "/v1/responses": RESPONSES,
     "/tokenize": TOKENIZE,
     "/detokenize": DETOKENIZE,
 }
 REQUIRED = {
     "/v1/completions": ["prompt"],
     "/v1/chat/completions": ["messages"],
+    "/v1/messages": ["messages", "max_tokens"],
+    "/v1/responses": ["input", "max_output_tokens"],
     "/detokenize": ["tokens"],
 }
 KINDS = ["none", "surrogate", "id", "int", "size", "junk", "unknown", "missing"]
@@ -428,13 +503,29 @@ def requests(draw):
 EXAMPLES = int(os.environ.get("PAGODA_FUZZ_EXAMPLES", "600"))
 
 
-def check_answer(r: httpx.Response, body: dict) -> None:
-    """2xx with a well-formed body, or 4xx with OpenAI's error body; never 5xx."""
+def sse_types(r: httpx.Response) -> list[str]:
+    """The `type` of each SSE event's data (Anthropic's and the Responses API's streams)."""
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    return [json.loads(d)["type"] for d in data]
+
+
+def check_answer(r: httpx.Response, body: dict, route: str) -> None:
+    """2xx with a well-formed body, or 4xx with the API's own error body; never 5xx."""
     assert r.status_code < 500, (r.status_code, r.text[:500], body)
+    if r.status_code >= 400 and route == "/v1/messages":  # Anthropic's error body
+        error = r.json()
+        assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, error
+        assert error["error"]["type"].endswith("_error") and error["error"]["message"]
+        return
     if r.status_code >= 400:
         assert_error(r)
         return
-    if body.get("stream") is True:
+    if body.get("stream") is True and route in ("/v1/messages", "/v1/responses"):
+        kinds = sse_types(r)
+        assert "error" not in kinds and "response.failed" not in kinds, (kinds, body)
+        last = {"message_stop"} if route == "/v1/messages" else {"response.completed", "response.incomplete"}  # fmt: skip
+        assert kinds[-1] in last, (kinds, body)
+    elif body.get("stream") is True:
         lines = [line for line in r.text.split("\n\n") if line]
         assert lines[-1] == "data: [DONE]", r.text[-300:]
         for line in lines[:-1]:
@@ -456,7 +547,7 @@ def test_fuzz_http_api(server):
     @given(requests())
     def one_request(route_and_body):
         route, body = route_and_body
-        check_answer(post(server, route, body), body)
+        check_answer(post(server, route, body), body, route)
 
     one_request()
     assert_serves(server)  # /health 200, a normal request runs, 0 KV blocks in use

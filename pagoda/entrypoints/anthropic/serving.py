@@ -34,7 +34,13 @@ from pagoda.entrypoints.anthropic.protocol import (
     ToolUseBlock,
     Usage,
 )
-from pagoda.entrypoints.openai.errors import APIError, bad_request, failure_to_api_error, renamed
+from pagoda.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    failure_to_api_error,
+    renamed,
+    validated,
+)
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagoda.errors import EngineDeadError, RequestFailedError
@@ -173,7 +179,9 @@ def to_chat_request(req: MessagesRequest, reasoning: bool = False) -> ChatComple
     tool_choice, parallel = _tool_choice(req)
     if tool_choice is not None and not req.tools:
         raise bad_request("tool_choice needs tools.", "tool_choice")
-    return ChatCompletionRequest(
+    return validated(
+        ChatCompletionRequest,
+        _RENAMES,
         model=req.model,
         messages=conversation(req),
         max_tokens=req.max_tokens,

@@ -50,7 +50,7 @@ from pagoda.entrypoints.anthropic.serving import AnthropicErrors, ServingMessage
 from pagoda.entrypoints.http_server import Server
 from pagoda.entrypoints.openai.dashboard import DEFAULT_INTERVAL as DASHBOARD_INTERVAL
 from pagoda.entrypoints.openai.dashboard import DashboardFeed, dashboard_html
-from pagoda.entrypoints.openai.errors import APIError, bad_request, from_invalid
+from pagoda.entrypoints.openai.errors import APIError, bad_request, from_invalid, from_validation
 from pagoda.entrypoints.openai.http_parts import (
     DASHBOARD_COOKIE,
     APIKeyMiddleware,
@@ -91,13 +91,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
 
-def _is_type(loc_part) -> bool:
-    """A union arm's name in a validation error's location ("str", "list[...]")."""
-    return isinstance(loc_part, str) and (
-        loc_part in ("str", "int", "float", "bool", "none") or loc_part.endswith("]")
-    )
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
@@ -105,23 +98,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
-        # The deepest first: of a union's arms, the one the body meant went furthest.
-        errors = sorted(e.errors(), key=lambda err: -len(err.get("loc", ())))
-        param, parts = None, []
-        for err in errors[:3]:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_type(x)]
-            where = ".".join(loc) or "body"
-            if err.get("type") == "json_invalid":
-                parts.append(f"Malformed JSON in the request body: {err.get('msg')}")
-                continue
-            if param is None and loc:
-                param = loc[0]
-            if err.get("type") == "extra_forbidden":  # OpenAI's words for an unknown field
-                parts.append(f"Unrecognized request argument supplied: {where}")
-            else:
-                parts.append(f"{where}: {err.get('msg')}")
-        message = "; ".join(parts) or "invalid request"
-        return error_response(400, message, "invalid_request_error", param)
+        error = from_validation(e.errors())
+        return JSONResponse(error.body(), error.status_code)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, e: InvalidRequestError):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import ValidationError
+
 from pagoda.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 
@@ -58,6 +60,44 @@ def from_invalid(error: InvalidRequestError, renames: dict[str, str] | None = No
     if param != error.param and message.startswith(error.param):
         message = param + message[len(error.param) :]
     return bad_request(message, param, error.code)
+
+
+def _is_type(loc_part) -> bool:
+    """A union arm's name in a validation error's location ("str", "list[...]")."""
+    return isinstance(loc_part, str) and (
+        loc_part in ("str", "int", "float", "bool", "none") or loc_part.endswith("]")
+    )
+
+
+def from_validation(errors: list[dict]) -> APIError:
+    """A 400 for a body that failed its pydantic model (`ValidationError.errors()`),
+    naming the field."""
+    # The deepest first: of a union's arms, the one the body meant went furthest.
+    errors = sorted(errors, key=lambda err: -len(err.get("loc", ())))
+    param, parts = None, []
+    for err in errors[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_type(x)]
+        where = ".".join(loc) or "body"
+        if err.get("type") == "json_invalid":
+            parts.append(f"Malformed JSON in the request body: {err.get('msg')}")
+            continue
+        if param is None and loc:
+            param = loc[0]
+        if err.get("type") == "extra_forbidden":  # OpenAI's words for an unknown field
+            parts.append(f"Unrecognized request argument supplied: {where}")
+        else:
+            parts.append(f"{where}: {err.get('msg')}")
+    return bad_request("; ".join(parts) or "invalid request", param)
+
+
+def validated(body_type: type, renames: dict[str, str], **fields: Any):
+    """`body_type(**fields)` for a body translated onto another API's (chat completions for
+    Messages and Responses): a field that fails the model's own checks is a 400 naming
+    it as the client's body does."""
+    try:
+        return body_type(**fields)
+    except ValidationError as e:
+        raise renamed(from_validation(e.errors()), renames) from None
 
 
 def renamed(error: APIError, renames: dict[str, str]) -> APIError:

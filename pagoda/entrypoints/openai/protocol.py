@@ -74,9 +74,6 @@ class UsageInfo(BaseModel):
         )
 
 
-_NO_BEAM = "beam search is not supported; use n and temperature"
-
-
 class SamplingFields(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
@@ -107,8 +104,9 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # best_of beams (n if unset), the n best returned
     length_penalty: float = 1.0
+    early_stopping: bool | str = False  # transformers' beam search rule: true, false, "never"
     return_tokens_as_token_ids: bool = False
     guided_json: Any = None
     guided_regex: str | None = None
@@ -118,8 +116,6 @@ class SamplingFields(OpenAIModel):
     structured_outputs: dict[str, Any] | None = None
 
     SUPPORTED_ONLY: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "use_beam_search": only(False, why=_NO_BEAM),
-        "length_penalty": only(1.0, why=_NO_BEAM),
         "spaces_between_special_tokens": only(
             True, why="fast tokenizers always decode special tokens without added spaces"
         ),

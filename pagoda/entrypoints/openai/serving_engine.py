@@ -191,13 +191,6 @@ class OpenAIServing:
                 check_all_text(getattr(req, name, None), name)
             except InvalidRequestError as e:
                 raise from_invalid(e) from e
-        best_of = getattr(req, "best_of", None)
-        if best_of is not None and best_of != req.n:
-            raise bad_request(
-                "best_of is not supported (use n): it must be unset or equal to n.",
-                "best_of",
-                "unsupported_value",
-            )
 
     # ---- requests ------------------------------------------------------------------
 
@@ -266,8 +259,9 @@ class OpenAIServing:
         """The body's SamplingParams, as sent (checked at construction, then by the
         Processor; a 400 names the body's field through `renames`). Unset
         temperature/top_p/top_k/min_p/repetition_penalty fall back to the model's
-        generation_config, then to OpenAI's defaults (as vLLM does)."""
-        defaults = self.generation_defaults
+        generation_config, then to OpenAI's defaults (as vLLM does); with use_beam_search
+        to neutral values (temperature 0): beams rank by the model's own logprobs."""
+        defaults = {} if req.use_beam_search else self.generation_defaults
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(req, name)
@@ -276,7 +270,7 @@ class OpenAIServing:
         try:
             return SamplingParams(
                 n=req.n,
-                temperature=pick("temperature", 1.0),
+                temperature=pick("temperature", 0.0 if req.use_beam_search else 1.0),
                 top_p=pick("top_p", 1.0),
                 top_k=pick("top_k", -1),
                 min_p=pick("min_p", 0.0),
@@ -299,6 +293,10 @@ class OpenAIServing:
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=structured_outputs,
+                use_beam_search=req.use_beam_search,
+                best_of=req.best_of,
+                length_penalty=req.length_penalty,
+                early_stopping=req.early_stopping,
             )
         except InvalidRequestError as e:
             raise from_invalid(e, renames) from e

@@ -36,6 +36,7 @@ from pagoda.entrypoints.openai.errors import (
     bad_request,
     failure_to_api_error,
     renamed,
+    validated,
 )
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -242,7 +243,9 @@ class ServingResponses:
         messages += conversation(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         tools, tool_choice = chat_tools(req)
-        chat_req = ChatCompletionRequest(
+        chat_req = validated(
+            ChatCompletionRequest,
+            _RENAMES,
             model=req.model,
             messages=system + messages,
             max_tokens=req.max_output_tokens,
