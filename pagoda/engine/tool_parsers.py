@@ -1,7 +1,7 @@
 """Tool calls in the formats models write them (`--tool-call-parser`, vLLM's names):
 
 - `hermes` (the default; Hermes, Qwen2.5/3, SmolLM2): `<tool_call>{"name", "arguments"}</tool_call>`
-  anywhere in the text (`pagoda.engine.tools.ToolCallParser`);
+  anywhere in the text;
 - `llama3_json` (Llama 3.1-3.3): the whole output is one or more JSON objects
   `{"name", "parameters"}`, `;`-separated, maybe after `<|python_tag|>`;
 - `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (or the
@@ -9,21 +9,24 @@
 - `pythonic` (Llama 3.2/4, ToolACE): the whole output is a Python list of calls,
   `[get_weather(city="Oslo"), get_time(zone=1)]`, read with `ast` (literals only).
 
-Each parser splits the text into (content, calls completed) as it streams, and
-whole responses feed all the text at once, so both are the same parse. Text that
-looked like the start of calls but does not parse as them is content. A call goes
-out whole once it has parsed (its arguments in one delta).
+Each parser splits the text into (content, pieces of calls) as it streams, and
+whole responses feed all the text at once, so both are the same parse. A call's
+arguments stream as the model writes them once its name is read
+(`pagoda.engine.call_stream`; pythonic calls go out whole, their arguments turned
+from Python into JSON). Text that looked like the start of calls but is not a call
+is content.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-from typing import Any
 
+from pagoda.engine.call_stream import CallDelta, CallStream, whole_call
 from pagoda.engine.tools import (
+    CLOSE,
+    OPEN,
     ParsedCall,
-    ToolCallParser,
     call_grammar,
     call_schema,
     parsed_call,
@@ -33,9 +36,143 @@ from pagoda.engine.tools import (
 from pagoda.errors import InvalidRequestError
 
 
+class HermesParser:
+    """Calls between `<tool_call>` and `</tool_call>`, anywhere in the text."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = set(names)
+        self.buffer = ""
+        self.call: CallStream | None = None  # the open call
+        self.body = ""  # the open call's text so far
+        self.num_calls = 0
+        self.held = ""  # trailing whitespace, sent only if more content follows
+        self.before_call = ""  # whitespace before the open call: dropped if it is one
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self.buffer += text
+        content, deltas = "", []
+        while True:
+            if self.call is not None:
+                end = self.buffer.find(CLOSE)
+                cut = end if end >= 0 else len(self.buffer) - partial_tag_len(self.buffer, CLOSE)
+                self.body += self.buffer[:cut]
+                deltas += self.call.feed(self.buffer[:cut])
+                if end < 0:
+                    self.buffer = self.buffer[cut:]
+                    break
+                self.buffer = self.buffer[end + len(CLOSE) :]
+                last = self._end_call()
+                if last is None:  # not a call after all: it was text
+                    content += self.before_call + OPEN + self.body + CLOSE
+                deltas += last or []
+                continue
+            start = self.buffer.find(OPEN)
+            if start >= 0:
+                # Whitespace right before a call is dropped if it is one, however the
+                # text was split; kept if it is not.
+                before = content + self.buffer[:start]
+                content = before.rstrip()
+                self.before_call = before[len(content) :]
+                if not content:
+                    self.before_call, self.held = self.held + self.before_call, ""
+                self.buffer = self.buffer[start + len(OPEN) :]
+                self.call, self.body = CallStream(self.num_calls, self.names), ""
+                continue
+            keep = partial_tag_len(self.buffer)  # may be the start of a tag
+            content += self.buffer[: len(self.buffer) - keep]
+            self.buffer = self.buffer[len(self.buffer) - keep :]
+            break
+        return self._content(content), deltas
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """The rest at the end of the output: an unclosed call still counts if it is one
+        (a model may stop right after it, or be cut short)."""
+        rest, self.buffer = self.buffer, ""
+        if self.call is not None:
+            self.body += rest
+            deltas = self.call.feed(rest)
+            last = self._end_call()
+            if last is not None:
+                return self._content(""), deltas + last
+            rest = self.before_call + OPEN + self.body
+        content, self.held = self.held + rest, ""
+        return content, []
+
+    def _end_call(self) -> list[CallDelta] | None:
+        last = self.call.finish(self.body)
+        self.num_calls += last is not None
+        self.call = None
+        return last
+
+    def _content(self, text: str) -> str:
+        """Content to emit now: trailing whitespace is held until more content
+        follows (or the output ends): if a call comes next, it is dropped."""
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body) :]
+        return body
+
+
+class CallSequence:
+    """Call objects one after another in `text` (fed whole each time, growing), from
+    `pos`: a JSON object each (`separators` between them), or with `args_marker`,
+    `name<marker>{arguments}` each (`MARKER`s between them). `failed` once a call
+    does not parse; `sent`: a call went out."""
+
+    def __init__(self, names: set[str], separators: str, args_marker: str | None = None) -> None:
+        self.names = names
+        self.separators = separators
+        self.args_marker = args_marker
+        self.text = ""
+        self.pos = 0
+        self.call: CallStream | None = None
+        self.num_calls = 0
+        self.failed = self.sent = self.closed = False
+
+    def feed(self, text: str, final: bool) -> list[CallDelta]:
+        self.text, deltas = text, []
+        while not self.failed:
+            if self.call is None and not self._next_call(final):
+                break
+            before = self.call.taken
+            deltas += self.call.feed(self.text[self.pos :])
+            self.pos += self.call.taken - before
+            if not self.call.ended and not final:
+                break
+            last = self.call.finish()
+            self.failed = last is None
+            deltas += last or []
+            self.num_calls += 1
+            self.call = None
+        self.sent = self.sent or bool(deltas)
+        return deltas
+
+    def _next_call(self, final: bool) -> bool:
+        """Start the next call if its text has begun; False if it has not (or there is
+        none: the text ended, or `closed` by a "]")."""
+        rest = self.text[self.pos :]
+        body = rest.lstrip(self.separators)
+        if self.args_marker is not None:
+            body = body.removeprefix(MistralParser.MARKER)
+        if not body.strip() or body.startswith("]"):
+            self.closed = body.startswith("]")
+            return False
+        name = None
+        if self.args_marker is not None:
+            name, sep, _ = body.partition(self.args_marker)
+            if not sep:
+                self.failed = final
+                return False
+            body = body[len(name) + len(sep) :]
+        self.pos += len(rest) - len(body)
+        self.call = CallStream(self.num_calls, self.names, name and name.strip())
+        return True
+
+
 class WholeOutputParser:
-    """Formats whose calls are the whole output: decided by how it starts (`opens`),
-    then held until it parses (`parse`: the calls, or None while it does not)."""
+    """Formats whose calls are the whole output: decided by how it starts (`prefixes`),
+    then read call by call; text that turns out not to be calls is content, if no call
+    went out before."""
 
     prefixes: tuple[str, ...] = ()
 
@@ -43,9 +180,8 @@ class WholeOutputParser:
         self.names = set(names)
         self.buffer = ""
         self.mode = "start"  # "start" (undecided), "calls" or "content"
-        self.num_sent = 0  # calls already returned
 
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.buffer += text
         if self.mode == "start":
             head = self.buffer.lstrip()
@@ -58,51 +194,56 @@ class WholeOutputParser:
         if self.mode == "content":
             out, self.buffer = self.buffer, ""
             return out, []
-        return "", self._new_calls(self.parse(self.buffer, final=False))
+        return "", self.calls(final=False)
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        deltas = self.calls(final=True) if self.mode == "calls" else []
         rest, self.buffer = self.buffer, ""
-        if self.mode != "calls":
-            return rest, []
-        calls = self.parse(rest, final=True)
-        if calls is None:
-            return ("", []) if self.num_sent else (rest, [])  # not calls after all
-        return "", self._new_calls(calls)
+        if self.mode == "calls" and self.failed and not self.sent:
+            return rest, []  # not calls after all
+        return ("", deltas) if self.mode == "calls" else (rest, [])
 
-    def _new_calls(self, calls: list[ParsedCall] | None) -> list[ParsedCall]:
-        """The calls not returned before (a parse never loses calls it had)."""
-        new = (calls or [])[self.num_sent :]
-        self.num_sent += len(new)
-        return new
-
-    def parse(self, text: str, final: bool) -> list[ParsedCall] | None:
+    def calls(self, final: bool) -> list[CallDelta]:
         raise NotImplementedError
 
 
 class Llama3JsonParser(WholeOutputParser):
     prefixes = ("<|python_tag|>", "{")
 
-    def parse(self, text: str, final: bool) -> list[ParsedCall] | None:
-        """The calls whose objects are complete (all of them, when `final`)."""
-        text = text.lstrip().removeprefix("<|python_tag|>")
-        calls, i, decoder = [], 0, json.JSONDecoder()
-        while True:
-            while i < len(text) and text[i] in " \t\r\n;":
-                i += 1
-            if i == len(text):
-                return calls
-            try:
-                obj, i = decoder.raw_decode(text, i)
-            except json.JSONDecodeError:
-                return None if final else calls
-            call = parsed_call(obj, self.names)
-            if call is None:
-                return None
-            calls.append(call)
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(names)
+        self.sequence = CallSequence(self.names, " \t\r\n;")
+
+    @property
+    def failed(self) -> bool:
+        return self.sequence.failed
+
+    @property
+    def sent(self) -> bool:
+        return self.sequence.sent
+
+    def calls(self, final: bool) -> list[CallDelta]:
+        return self.sequence.feed(self.buffer.lstrip().removeprefix("<|python_tag|>"), final)
 
 
 class PythonicParser(WholeOutputParser):
+    """Calls as Python, read whole with `ast` once the list closes (their arguments are
+    Python literals, turned into JSON)."""
+
     prefixes = ("<|python_start|>", "[")
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(names)
+        self.num_calls = 0
+        self.failed = self.sent = False
+
+    def calls(self, final: bool) -> list[CallDelta]:
+        calls = self.parse(self.buffer, final)
+        self.failed = calls is None and final
+        new = (calls or [])[self.num_calls :]
+        self.sent = self.sent or bool(new)
+        self.num_calls += len(new)
+        return [whole_call(self.num_calls - len(new) + k, c) for k, c in enumerate(new)]
 
     def parse(self, text: str, final: bool) -> list[ParsedCall] | None:
         text = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>")
@@ -130,59 +271,57 @@ class PythonicParser(WholeOutputParser):
 
 
 class MistralParser:
-    """Content until `[TOOL_CALLS]`; after it, the calls."""
+    """Content until `[TOOL_CALLS]`; after it, the calls: a JSON array of call objects,
+    or (newer) `name[ARGS]{...}`, each after its own `[TOOL_CALLS]`."""
 
     MARKER = "[TOOL_CALLS]"
 
     def __init__(self, names: list[str]) -> None:
         self.names = set(names)
         self.buffer = ""
-        self.in_calls = False
+        self.in_calls = False  # the marker was read
+        self.sequence: CallSequence | None = None  # once the calls' form is known
+        self.array = False
+        self.offset = 0  # where the sequence's text starts in the buffer
 
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.buffer += text
         if self.in_calls:
-            return "", []
+            return "", self._calls(final=False)
         start = self.buffer.find(self.MARKER)
-        if start >= 0:
-            content, self.buffer = self.buffer[:start], self.buffer[start + len(self.MARKER) :]
-            self.in_calls = True
+        if start < 0:
+            keep = partial_tag_len(self.buffer, self.MARKER)
+            content, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]  # fmt: skip
             return content, []
-        keep = partial_tag_len(self.buffer, self.MARKER)
-        content, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]  # fmt: skip
-        return content, []
+        content, self.buffer = self.buffer[:start], self.buffer[start + len(self.MARKER) :]
+        self.in_calls = True
+        return content, self._calls(final=False)
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        deltas = self._calls(final=True) if self.in_calls else []
         rest, self.buffer = self.buffer, ""
         if not self.in_calls:
             return rest, []
-        calls = self._parse(rest.strip())
-        return ("", calls) if calls is not None else (self.MARKER + rest, [])
+        seq = self.sequence
+        failed = seq is None or seq.failed or (self.array and not seq.closed)
+        if failed and not (seq is not None and seq.sent):
+            return self.MARKER + rest, []  # not calls after all
+        return "", deltas
 
-    def _parse(self, text: str) -> list[ParsedCall] | None:
-        objs: Any
-        if text.startswith("["):
-            try:
-                objs = json.loads(text)
-            except json.JSONDecodeError:
-                return None
-            objs = objs if isinstance(objs, list) else None
-        else:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
-            objs = []
-            for part in text.split(self.MARKER):
-                name, sep, args = part.partition("[ARGS]")
-                if not sep:
-                    return None
-                try:
-                    objs.append({"name": name.strip(), "arguments": json.loads(args)})
-                except json.JSONDecodeError:
-                    return None
-        calls = [parsed_call(o, self.names) for o in objs or []]
-        return calls if calls and None not in calls else None
+    def _calls(self, final: bool) -> list[CallDelta]:
+        if self.sequence is None:
+            head = self.buffer.lstrip()
+            if not head:
+                return []
+            self.array = head.startswith("[")
+            self.offset = len(self.buffer) - len(head) + self.array
+            separators = " \t\r\n," if self.array else " \t\r\n"
+            self.sequence = CallSequence(self.names, separators, None if self.array else "[ARGS]")
+        return self.sequence.feed(self.buffer[self.offset :], final)
 
 
 _PARSERS = {
-    "hermes": ToolCallParser,
+    "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
     "pythonic": PythonicParser,

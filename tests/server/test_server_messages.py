@@ -114,8 +114,12 @@ def test_forced_tool_use_and_its_result(client, openai_client):
         model="tiny", max_tokens=150, extra_body=GREEDY, messages=USER, tools=[WEATHER],
         tool_choice=choice,
     ) as stream:  # fmt: skip
+        kinds = [(e.type, getattr(e, "delta", None)) for e in stream]
         streamed = stream.get_final_message()
     (streamed_call,) = [b for b in streamed.content if b.type == "tool_use"]
+    # The input streams as the model writes it, in several input_json_delta events.
+    pieces = [d.partial_json for k, d in kinds if k == "content_block_delta" and d.type == "input_json_delta"]  # fmt: skip
+    assert len(pieces) > 3 and json.loads("".join(pieces)) == call.input
     assert streamed_call.input == call.input and streamed.stop_reason == "tool_use"
     # The call and its result go back as the next turn: the same prompt chat builds.
     turn = [

@@ -11,7 +11,9 @@ import pytest
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.bench.workloads import json_schemas
-from pagoda.engine.tools import ToolCallParser, call_grammar, check_tools, format_call
+from pagoda.engine.call_stream import merge_calls
+from pagoda.engine.tool_parsers import HermesParser
+from pagoda.engine.tools import call_grammar, check_tools, format_call
 from tests.helpers import RemoteServer, make_model, smollm2_gguf
 
 MESSAGES = [{"role": "user", "content": "Hello world, how are you today?"}]
@@ -162,9 +164,16 @@ def test_forced_tool_calls_parse_validate_and_stream(client, tool_choice):
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     if isinstance(tool_choice, dict):
         assert call.function.name == "get_time"
-    content, calls, finish = reassemble(ask(stream=True))
+    chunks = list(ask(stream=True))
+    content, calls, finish = reassemble(chunks)
     assert finish == "tool_calls" and not content
     assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+    # The arguments stream as the model writes them: the id and name first, then pieces.
+    pieces = [t for c in chunks for ch in c.choices for t in ch.delta.tool_calls or []]
+    assert pieces[0].id.startswith("call_")
+    assert pieces[0].function.name == call.function.name and pieces[0].type == "function"
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert len(pieces) > 3
 
 
 def test_two_turn_tool_conversation(client):
@@ -273,9 +282,10 @@ def test_parser_splits_content_and_calls_the_same_in_any_pieces():
         + format_call("get_weather", '{"city": "Oslo", "unit": "celsius"}')
         + '\n<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call> done <tool'
     )
-    whole = ToolCallParser(["get_time", "get_weather"])
+    whole = HermesParser(["get_time", "get_weather"])
     content, calls = whole.feed(text)
     rest, last = whole.finish()
+    calls, last = merge_calls(calls), merge_calls(last)
     assert (
         content + rest
         # whitespace right before a call is dropped; before text that only looked
@@ -287,17 +297,23 @@ def test_parser_splits_content_and_calls_the_same_in_any_pieces():
         ("get_weather", {"city": "Oslo", "unit": "celsius"}),
     ]
     for size in (1, 3, 7):
-        parser = ToolCallParser(["get_time", "get_weather"])
+        parser = HermesParser(["get_time", "get_weather"])
         pieces = [parser.feed(text[i : i + size]) for i in range(0, len(text), size)] + [
             parser.finish()
         ]
         assert "".join(p[0] for p in pieces) == content + rest
-        assert [(c.name, c.arguments) for p in pieces for c in p[1]] == [
-            (c.name, c.arguments) for c in calls
-        ]
-    unclosed = ToolCallParser(["get_time"])
-    assert unclosed.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}')[1] == []
-    assert unclosed.finish()[1][0].arguments == '{"zone": 3}'
+        streamed = merge_calls(d for p in pieces for d in p[1])
+        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    # An unclosed call (the output ended, or was cut short) is a call: its arguments
+    # stream as written and end with the output.
+    unclosed = HermesParser(["get_time"])
+    _, opened = unclosed.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}')
+    _, closed = unclosed.finish()
+    assert merge_calls(opened + closed)[0].arguments == '{"zone": 3}'
+    assert [d.done for d in opened + closed] == [False, False, True]
+    cut = HermesParser(["get_time"])
+    _, deltas = cut.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": 3, "ci')
+    assert merge_calls(deltas + cut.finish()[1])[0].arguments == '{"zone": 3, "ci'
 
 
 def test_call_grammar_uses_single_token_tags():

@@ -12,6 +12,7 @@ import llguidance
 import llguidance.hf
 import pytest
 
+from pagoda.engine.call_stream import merge_calls
 from pagoda.engine.tool_parsers import forced_call_grammar, make_tool_parser
 from pagoda.errors import InvalidRequestError
 from tests.helpers import RemoteServer, make_model, make_tokenizer
@@ -51,15 +52,29 @@ CASES = [
 
 @pytest.mark.parametrize("parser, text, content, calls", CASES)
 def test_streamed_pieces_parse_as_the_whole(parser, text, content, calls):
-    for size in (1, 3, 7, len(text)):
-        p, got_content, got_calls = make_tool_parser(parser, NAMES), "", []
+    """The same content and calls in any pieces; the arguments of a JSON call go out in
+    pieces as they are written (at least one per character fed), adding up to exactly
+    the whole parse's text; pythonic calls go out whole."""
+    runs = {}
+    for size in (len(text), 1, 3, 7):
+        p, got_content, deltas = make_tool_parser(parser, NAMES), "", []
         for i in range(0, len(text), size):
             c, new = p.feed(text[i : i + size])
-            got_content, got_calls = got_content + c, got_calls + new
+            got_content, deltas = got_content + c, deltas + new
         c, new = p.finish()
-        got_content, got_calls = got_content + c, got_calls + new
+        got_content, deltas = got_content + c, deltas + new
+        got_calls = merge_calls(deltas)
         assert got_content == content, size
         assert [(k.name, json.loads(k.arguments)) for k in got_calls] == calls, size
+        assert [d.index for d in deltas if d.id] == list(range(len(calls)))
+        assert [d.index for d in deltas if d.done] == list(range(len(calls)))
+        runs[size] = (got_calls, deltas)
+    for size, (got_calls, deltas) in runs.items():
+        assert [c.arguments for c in got_calls] == [c.arguments for c in runs[len(text)][0]]
+        if size == 1 and parser != "pythonic":
+            for call in got_calls:
+                pieces = [d for d in deltas if d.index == got_calls.index(call) and d.arguments]
+                assert len(pieces) == len(call.arguments) or len(call.arguments) <= 2
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from pagoda.engine.call_stream import CallDelta
 from pagoda.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     CountTokensResponse,
@@ -239,7 +240,7 @@ _BLOCKS = {
 class StreamBlocks:
     """A stream's content blocks: a thinking block (with a reasoning parser), then text
     blocks opened by text and closed by a call or the end, each call a tool_use block
-    with its input in one delta."""
+    whose input streams in pieces of its JSON text."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -265,17 +266,19 @@ class StreamBlocks:
         self.open = None
         return [event("content_block_stop", {"index": self.index})]
 
-    def tool_use(self, call_id: str, name: str, arguments: str) -> list[str]:
-        out = self.close()
-        self.index += 1
-        block = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": arguments}
-        return [
-            *out,
-            event("content_block_start", {"index": self.index, "content_block": block}),
-            event("content_block_delta", {"index": self.index, "delta": delta}),
-            event("content_block_stop", {"index": self.index}),
-        ]
+    def tool_use(self, call: CallDelta) -> list[str]:
+        """Events for a piece of a call: its block opens with its name, its input streams."""
+        out = []
+        if call.id is not None:
+            out = self.close()
+            self.index += 1
+            self.open = "tool_use"
+            block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+            out.append(event("content_block_start", {"index": self.index, "content_block": block}))  # fmt: skip
+        if call.arguments:
+            delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            out.append(event("content_block_delta", {"index": self.index, "delta": delta}))
+        return out + (self.close() if call.done else [])
 
 
 class ServingMessages:
@@ -336,8 +339,8 @@ class ServingMessages:
                 for piece in [*blocks.add("thinking", thought), *blocks.add("text", text)]:
                     yield piece
                 for call in calls:
-                    num_calls += 1
-                    for piece in blocks.tool_use(call.id, call.name, call.arguments):
+                    num_calls += call.id is not None
+                    for piece in blocks.tool_use(call):
                         yield piece
                 if delta.finish_reason is None:
                     continue

@@ -270,13 +270,19 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # the next piece of the JSON text
+
+
 class DeltaToolCall(BaseModel):
-    """A whole call in one streamed delta (pagoda sends a call once it has parsed)."""
+    """A piece of a streamed call: its id, type and name come first (arguments ""), then
+    pieces of its arguments."""
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ResponseMessage(BaseModel):

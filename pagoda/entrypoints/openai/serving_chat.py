@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
+from pagoda.engine.call_stream import CallDelta, merge_calls
 from pagoda.engine.messages import RequestStream
 from pagoda.engine.reasoning import ReasoningParser
 from pagoda.engine.tool_parsers import MistralParser, forced_call_grammar, make_tool_parser
@@ -47,6 +48,7 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
@@ -102,7 +104,7 @@ class OutputParser:
         self.reasoning = ReasoningParser(prompt) if reasoning else None
         self.tools = None if tool_names is None else make_tool_parser(tool_parser, tool_names)
 
-    def feed(self, text: str, last: bool = False) -> tuple[str, str, list[ParsedCall]]:
+    def feed(self, text: str, last: bool = False) -> tuple[str, str, list[CallDelta]]:
         thought, calls = "", []
         if self.reasoning is not None:
             thought, text = self.reasoning.feed(text)
@@ -260,7 +262,8 @@ class OpenAIServingChat(OpenAIServing):
             self.abort_unfinished([run.stream])
         result = []
         for c in sorted(choices.values(), key=lambda c: c.index):
-            thought, content, calls = run.parser(prompt).feed(c.text, last=True)
+            thought, content, deltas = run.parser(prompt).feed(c.text, last=True)
+            calls = merge_calls(deltas)
             if run.tool_names is not None:
                 content = content or None
             message = ResponseMessage(
@@ -286,8 +289,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def parsed_deltas(
         self, run: ChatRun
-    ) -> AsyncIterator[tuple[str, str, list[ParsedCall], CompletionOutput]]:
-        """(reasoning, content, tool calls completed, the delta they came in) as one
+    ) -> AsyncIterator[tuple[str, str, list[CallDelta], CompletionOutput]]:
+        """(reasoning, content, pieces of tool calls, the delta they came in) as one
         choice's output streams: what the Messages and Responses streams are built from."""
         parser = None
         async for _, delta, output in choice_deltas([run.stream], 1, False):
@@ -304,7 +307,7 @@ class OpenAIServingChat(OpenAIServing):
                 id=run.response_id, created=created, model=run.model, choices=choices
             ).model_dump()
             for choice in body["choices"]:  # a delta holds only what changed
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                choice["delta"] = _set_fields(choice["delta"])
             return usage.event(body, last)
 
         parsers: dict[int, OutputParser] = {}
@@ -319,18 +322,14 @@ class OpenAIServingChat(OpenAIServing):
                 i, finish_reason = choice.index, delta.finish_reason
                 parser = parsers.setdefault(i, run.parser(output.prompt))
                 thought, text, calls = parser.feed(delta.text, finish_reason is not None)
-                num_calls[i] += len(calls)
+                calls = [d for d in calls if d.id is not None or d.arguments]
+                num_calls[i] += sum(d.id is not None for d in calls)
                 finish_reason = _finish_reason(finish_reason, num_calls[i])
                 if not (thought or text or calls or finish_reason or (logprobs and logprobs.content)):  # fmt: skip
                     continue
-                first = num_calls[i] - len(calls)
                 message = DeltaMessage(
                     content=(text or None) if calls or thought else text,
-                    tool_calls=[
-                        DeltaToolCall(index=first + k, id=t.id, function=_function(t))
-                        for k, t in enumerate(calls)
-                    ]
-                    or None,
+                    tool_calls=[_delta_call(d) for d in calls] or None,
                     **_reasoning(thought or None),
                 )
                 yield chunk(
@@ -368,3 +367,18 @@ def _reasoning(thought: str | None) -> dict[str, str | None]:
 
 def _function(call: ParsedCall) -> FunctionCall:
     return FunctionCall(name=call.name, arguments=call.arguments)
+
+
+def _delta_call(d: CallDelta) -> DeltaToolCall:
+    """A call's piece as OpenAI streams it: id, type and name first, then arguments."""
+    function = DeltaFunctionCall(name=d.name, arguments=d.arguments)
+    return DeltaToolCall(index=d.index, id=d.id, type=d.id and "function", function=function)
+
+
+def _set_fields(value):
+    """`value` without the fields left unset (None), all the way down."""
+    if isinstance(value, dict):
+        return {k: _set_fields(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_set_fields(v) for v in value]
+    return value

@@ -347,6 +347,7 @@ class ServingResponses:
         thought: list[str] = []  # the open reasoning item's text
         reasoning_id = "rs_" + run.response_id.removeprefix("resp_")
         num_tokens = 0
+        open_calls: dict[int, tuple[dict, int, list[str]]] = {}  # item, output index, pieces
 
         def close_reasoning() -> list[str]:
             if not thought:
@@ -401,18 +402,27 @@ class ServingResponses:
                         yield events.emit("response.content_part.added", **at, part=_text_part(""))  # fmt: skip
                     text.append(piece)
                     yield events.emit("response.output_text.delta", **at, delta=piece, logprobs=[])
-                for call in calls:
-                    for e in close_text("completed"):
-                        yield e
-                    index = len(output)
-                    item = function_call_item(call.id, call.name, "", "in_progress")
+                for call in calls:  # pieces: the name first, then the arguments
+                    if call.id is not None:
+                        for e in close_text("completed"):
+                            yield e
+                        item = function_call_item(call.id, call.name, "", "in_progress")
+                        open_calls[call.index] = (item, len(output), [])
+                        yield events.emit("response.output_item.added", output_index=len(output), item=item)  # fmt: skip
+                    item, index, arguments = open_calls[call.index]
                     at = {"item_id": item["id"], "output_index": index}
-                    yield events.emit("response.output_item.added", output_index=index, item=item)
-                    yield events.emit("response.function_call_arguments.delta", **at, delta=call.arguments)  # fmt: skip
-                    yield events.emit("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments)  # fmt: skip
-                    item = {**item, "arguments": call.arguments, "status": "completed"}
-                    output.append(item)
-                    yield events.emit("response.output_item.done", output_index=index, item=item)
+                    if call.arguments:
+                        arguments.append(call.arguments)
+                        yield events.emit("response.function_call_arguments.delta", **at, delta=call.arguments)  # fmt: skip
+                    if call.done:
+                        whole = "".join(arguments)
+                        yield events.emit("response.function_call_arguments.done", **at, name=item["name"], arguments=whole)  # fmt: skip
+                        item = {**item, "arguments": whole, "status": "completed"}
+                        output.append(item)
+                        yield events.emit(
+                            "response.output_item.done", output_index=index, item=item
+                        )
+                        del open_calls[call.index]
                 if delta.finish_reason is None:
                     continue
                 cut = delta.finish_reason == "length"
