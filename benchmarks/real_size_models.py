@@ -22,10 +22,7 @@ import os
 import subprocess
 import sys
 
-# The repository, not this folder (whose kernels.py would shadow a package).
-sys.path[0] = __file__.rsplit("/benchmarks/", 1)[0]
-
-import torch  # noqa: E402
+import torch
 
 # The released configs' shapes (Hugging Face config.json, the fields that matter).
 CONFIGS = {
@@ -61,8 +58,8 @@ CONFIGS = {
 def make_folder(name: str, folder: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pagoda.model_executor.default_model import default_model_path
     from pagoda.model_executor.model_files import load_tokenizer
-    from tests.helpers import smollm2_gguf
 
     cfg = dict(CONFIGS[name])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -74,7 +71,7 @@ def make_folder(name: str, folder: str) -> None:
             p.normal_(0.0, 0.02)
     model.save_pretrained(folder)
     del model
-    tokenizer = load_tokenizer(smollm2_gguf(), True)
+    tokenizer = load_tokenizer(default_model_path(), True)
     tokenizer.save_pretrained(folder)
     path = os.path.join(folder, "tokenizer.json")
     with open(path) as f:

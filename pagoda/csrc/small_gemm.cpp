@@ -48,7 +48,7 @@ void tile(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, 
     for (int64_t i = 0; i < MT; ++i) xv[i] = load_pairs(x + (m + i) * K + k, len);
     for (int64_t r = 0; r < R; ++r) {
       // The next tile's rows, one tile ahead: the hardware prefetcher alone leaves the
-      // stream at about 60% of the memory bandwidth (benchmarks/kernels.py).
+      // stream at about 60% of the memory bandwidth (benchmarks/cpu_kernels.py).
       _mm_prefetch(reinterpret_cast<const char*>(w + (n + R + r) * K + k), _MM_HINT_T0);
       const __m512bh wv = load_pairs(w + (n + r) * K + k, len);
       for (int64_t i = 0; i < MT; ++i) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv[i], wv);

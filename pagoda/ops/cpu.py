@@ -67,7 +67,7 @@ def load():
         return None
 
 
-# Up to this many rows, bf16 products go to small_gemm (benchmarks/kernels.py, distinct
+# Up to this many rows, bf16 products go to small_gemm (benchmarks/cpu_kernels.py, distinct
 # weights per layer): 1.3-2.1x oneDNN at one row, 1.2-1.5x at 4-8, about even at 16,
 # 0.86x at 64 (AMD EPYC). With the weight stream prefetched, on Sapphire Rapids (SmolLM2's
 # 30 layers): 9.1 ms at one row, 16.4 vs oneDNN's 21.7 at 8, even at 12, 26.4 vs 22.5
@@ -116,7 +116,7 @@ W8A8_INT_MAX_ROWS = 256
 # (so they see at most max_num_batched_tokens / 512 distinct M, each of which oneDNN keeps
 # a kernel for, and the expand adds into y in place), and the rest (every segment of a
 # decode step) to the C++ lora_add. One step's LoRA products, SmolLM2's 30 layers at rank
-# 16 in bf16 (AMD EPYC, 2 threads, benchmarks/kernels.py): lora_add 0.5 ms at one row
+# 16 in bf16 (AMD EPYC, 2 threads, benchmarks/cpu_kernels.py): lora_add 0.5 ms at one row
 # where the GEMMs take 8, 3.6 at 64 rows (9.4), 13 at 256 (15); past that the GEMMs win
 # (their calls cost about 60 us per linear and segment, which lora_add saves at decode).
 LORA_GEMM_ROWS = 512

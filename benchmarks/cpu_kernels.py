@@ -1,6 +1,6 @@
 """pagoda's C++ CPU kernels against what they replace, one model step's worth each.
 
-    python benchmarks/kernels.py
+    python benchmarks/cpu_kernels.py
 
 Shapes are SmolLM2-135M's (30 layers, hidden 576, 9 query / 3 KV heads of 64,
 MLP 1536, vocab 49152), in bf16. Every layer gets its own weights and KV slab,
