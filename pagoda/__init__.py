@@ -13,7 +13,15 @@ if TYPE_CHECKING:
     from pagoda.engine_args import EngineArgs
     from pagoda.entrypoints.llm import LLM
     from pagoda.lora.request import LoRARequest
-    from pagoda.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+    from pagoda.outputs import (
+        BeamSearchOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from pagoda.pooling_params import PoolingParams
     from pagoda.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -21,6 +29,10 @@ _EXPORTS = {
     "LLM": "pagoda.entrypoints.llm",
     "BeamSearchOutput": "pagoda.outputs",
     "BeamSearchParams": "pagoda.sampling_params",
+    "EmbeddingRequestOutput": "pagoda.outputs",
+    "PoolingParams": "pagoda.pooling_params",
+    "PoolingRequestOutput": "pagoda.outputs",
+    "ScoringRequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
     "EngineArgs": "pagoda.engine_args",
     "LLMEngine": "pagoda.engine.llm_engine",
@@ -34,6 +46,10 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "ScoringRequestOutput",
     "EngineArgs",
     "LLMEngine",
     "LoRARequest",

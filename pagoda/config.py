@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagoda.model_executor.tasks import PoolerConfig
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # one parser: both write <think>...</think>
@@ -43,6 +45,10 @@ class ModelConfig:
     generation_defaults: dict[str, Any] = field(hash=False)
     seed: int
     reasoning_parser: str | None = None  # see pagoda.engine.reasoning
+    # What it serves ("generate", "embed", "classify", "score"; see model_executor/tasks.py)
+    # and, where it embeds, how its hidden states pool.
+    tasks: frozenset[str] = frozenset({"generate"})
+    pooler: PoolerConfig | None = None
 
     @property
     def architecture(self) -> str:

@@ -34,12 +34,15 @@ from pagoda.config import (
 )
 from pagoda.model_executor import model_files
 from pagoda.model_executor.models import (
+    BASE_MODEL,
+    BIDIRECTIONAL,
     EXPERTS,
     LATENT_ATTENTION,
     NORMS_ACROSS_HEADS,
     VISION,
     needs,
 )
+from pagoda.model_executor.tasks import pooler_config, resolve_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ class EngineArgs:
     # A reasoning model's `<think>` block: split from the answer in responses, and
     # grammars constrain only what follows it (vLLM's name; see pagoda.engine.reasoning).
     reasoning_parser: str | None = None
+    task: str = "auto"  # auto | generate | embed | classify | score (model_executor/tasks.py)
     # Speculative decoding (see SpeculativeConfig), e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; None: off.
     speculative_config: dict[str, Any] | None = None
@@ -221,7 +225,7 @@ class EngineArgs:
             spec = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             model=model,
-            cache=self._cache_config(device),
+            cache=self._cache_config(device, model),
             device=DeviceConfig(
                 device, self.gpu_memory_utilization, self.max_num_batched_tokens, self.max_num_seqs
             ),
@@ -256,16 +260,19 @@ class EngineArgs:
         path, is_gguf = model_files.resolve_model(self.model)
         hf_config = model_loader.load_hf_config(path, is_gguf)
         model_loader.check_architecture(hf_config, path)
-        model_needs = needs(hf_config["architectures"][0])
+        arch = hf_config["architectures"][0]
+        model_needs = needs(arch)
         if self.enable_lora and EXPERTS in model_needs:
             raise ValueError(
                 "enable_lora: LoRA adapters on mixture-of-experts models are not supported yet "
                 f"({hf_config['architectures'][0]})."
             )
+        if BIDIRECTIONAL in model_needs and (self.enable_lora or self.speculative_config):
+            name = "enable_lora" if self.enable_lora else "speculative_config"
+            raise ValueError(f"{name}: not supported for encoder models yet ({arch}).")
         if self.enable_lora and VISION in model_needs:
             raise ValueError(
-                "enable_lora: LoRA adapters on vision-language models are not supported yet "
-                f"({hf_config['architectures'][0]})."
+                f"enable_lora: LoRA adapters on vision-language models are not supported yet ({arch})."
             )
         self._check_parallel(hf_config)
         quantization, kernel_backend = self.quantization, self.kernel_backend
@@ -283,6 +290,7 @@ class EngineArgs:
         eos_token_ids, generation_defaults = model_loader.load_generation_config(
             path, is_gguf, hf_config
         )
+        tasks = resolve_tasks(self.task, arch, path, is_gguf)
         return ModelConfig(
             model=self.model or path,
             path=path,
@@ -302,6 +310,8 @@ class EngineArgs:
             generation_defaults=generation_defaults,
             seed=self.seed,
             reasoning_parser=self.reasoning_parser,
+            tasks=tasks,
+            pooler=pooler_config(path, is_gguf, hf_config) if "embed" in tasks else None,
         )
 
     def resolved_device(self, warn: bool = False) -> str:
@@ -350,7 +360,10 @@ class EngineArgs:
             "kv_cache_dtype": self.kv_cache_dtype != "auto",
             "enable_lora": self.enable_lora,
             "tensor_parallel_size": self.tensor_parallel_size * self.pipeline_parallel_size > 1,
-            "model": bool(needs(arch) & {EXPERTS, LATENT_ATTENTION, VISION}),
+            "model": bool(
+                needs(arch) & {EXPERTS, LATENT_ATTENTION, VISION, BIDIRECTIONAL, BASE_MODEL}
+            ),
+            "task": self.task not in ("auto", "generate"),  # pooling: CPU-tested only
             "speculative_config": (self.speculative_config or {}).get("method")
             in ("draft", "draft_model"),
         }
@@ -373,8 +386,8 @@ class EngineArgs:
         if self.enable_lora:
             raise ValueError(f"{name} > 1: LoRA adapters are not split across workers yet.")
         model_needs = needs(arch)
-        if VISION in model_needs:
-            raise ValueError(f"{name} > 1: vision-language models ({arch}) are not supported yet.")
+        if model_needs & {VISION, BIDIRECTIONAL}:
+            raise ValueError(f"{name} > 1: {arch} is not split across workers yet.")
         if tp > 1 and NORMS_ACROSS_HEADS in model_needs:
             raise ValueError(
                 f"tensor_parallel_size > 1: {arch} is not supported yet (its q/k norms span "
@@ -438,12 +451,14 @@ class EngineArgs:
             )
         return draft
 
-    def _cache_config(self, device: str) -> CacheConfig:
+    def _cache_config(self, device: str, model: ModelConfig) -> CacheConfig:
+        # An encoder's blocks are bookkeeping: a block's states depend on the whole prompt.
+        encoder = BIDIRECTIONAL in needs(model.architecture)
         return CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes
             or (None if device == "cuda" else default_kv_cache_bytes()),
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching and not encoder,
             swap_space_bytes=self.swap_space if self.preemption_mode == "swap" else 0,
             kv_cache_dtype=self.kv_cache_dtype,
         )

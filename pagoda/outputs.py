@@ -8,6 +8,7 @@ one final output, `LLMEngine.step()` users get cumulative ones by default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pagoda.lora.request import LoRARequest
 
@@ -39,6 +40,74 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class PoolingOutput:
+    """What a pooling request's hidden states came to (float32, on the host): an embedding
+    [dimension], class probabilities [labels], or a score [1]."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output (vLLM's shape), when it finishes. `outputs` is None
+    when it was aborted or failed (`error` says why)."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    error_is_client: bool = False
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result for one prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one pair (vLLM's shape); `prompt_token_ids`: the pair's
+    as the cross-encoder read it, or the two texts' one after the other."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclass

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagoda.lora.request import LoRARequest
-from pagoda.sampling_params import SamplingParams
+from pagoda.pooling_params import PoolingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+# What a pooling request carries as its sampling parameters: it samples nothing, but the
+# scheduler's parts read every request's (no grammar, no drafts, no logprobs).
+POOLING_SAMPLING = SamplingParams(
+    max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY
+)
 
 if TYPE_CHECKING:
     from pagoda.core.structured_output import RequestGrammar
@@ -68,7 +75,11 @@ class Request:
         lora_request: LoRARequest | None = None,
         trace_headers: dict[str, str] | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
+        """With `pooling_params` the request computes its prompt, whole in one step, and
+        returns what its hidden states pool into (an embedding, a score) instead of
+        tokens; its `sampling_params` are POOLING_SAMPLING."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -91,6 +102,7 @@ class Request:
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)
         self.trace_headers = trace_headers  # the caller's W3C trace context, if it sent one
         self.mm_features = mm_features or []  # its images, in prompt order
+        self.pooling_params = pooling_params
 
     @property
     def grammar_active(self) -> bool:
@@ -101,6 +113,12 @@ class Request:
     def lora_int_id(self) -> int:
         """Its adapter's id, 0 for the base model."""
         return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Whether its step must compute every prompt position (prompt logprobs, pooling
+        over all tokens): no prefix-cache hits for it."""
+        return self.sampling_params.prompt_logprobs is not None or self.pooling_params is not None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -126,6 +144,7 @@ class Request:
             self.lora_request,
             self.trace_headers,
             self.mm_features,
+            self.pooling_params,
         )
         copy.all_token_ids = list(self.all_token_ids)
         copy.first_scheduled_time = self.first_scheduled_time

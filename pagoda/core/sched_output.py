@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from pagoda.lora.request import LoRARequest
+from pagoda.pooling_params import PoolingParams
 from pagoda.request import MultiModalFeature, Request
 from pagoda.sampling_params import SamplingParams
 
@@ -44,6 +46,8 @@ class ScheduledRequest:
     lora_request: LoRARequest | None = None  # the adapter it runs under
     # The images whose placeholder positions this step computes (some or all of them).
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # A pooling request's, on its step (its whole prompt): pool its hidden states.
+    pooling_params: PoolingParams | None = None
 
     @property
     def lora_int_id(self) -> int:
@@ -68,7 +72,8 @@ class ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
-        samples = end == request.num_tokens
+        pools = request.pooling_params is not None
+        samples = end == request.num_tokens and not pools
         history = params.needs_token_history and samples
         wants_prompt_logprobs = (
             params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
@@ -94,6 +99,7 @@ class ScheduledRequest:
             prompt_logprobs_n=params.prompt_logprobs or 0,
             lora_request=request.lora_request,
             mm_features=request.features_in(start, end),
+            pooling_params=request.pooling_params if pools else None,
         )
 
 
@@ -128,6 +134,8 @@ class ModelRunnerOutput:
     logprobs: list[list[tuple[int, dict[int, tuple[float, int]]]] | None] | None = None
     # Request id -> per position of the chunk: {token id: (logprob, rank)}
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]]]] | None = None
+    # Pooling request id -> what its hidden states pooled into (float32, on the host)
+    pooled: dict[str, Any] | None = None
 
     @classmethod
     def merge(cls, parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
@@ -142,6 +150,8 @@ class ModelRunnerOutput:
                 out.logprobs += part.logprobs or [None] * len(part.request_ids)
             if part.prompt_logprobs:
                 out.prompt_logprobs = {**(out.prompt_logprobs or {}), **part.prompt_logprobs}
+            if part.pooled:
+                out.pooled = {**(out.pooled or {}), **part.pooled}
         return out
 
 

@@ -36,6 +36,7 @@ from pagoda.core.sched_output import (
 from pagoda.core.scheduler_part import SchedulerPart
 from pagoda.core.stats import RequestProgress, SchedulerStats, progress, scheduler_stats
 from pagoda.core.structured_output import GrammarCompiler
+from pagoda.core.whole_prompts import WholePrompts
 from pagoda.request import Request, RequestStatus
 
 
@@ -80,7 +81,7 @@ class Scheduler:
         self.loras = LoRAAdmission(config.max_loras) if config.max_loras is not None else None
         self.grammars = GrammarAdmission(grammar_compiler) if grammar_compiler else None
         self.parts: list[SchedulerPart] = [
-            p for p in (self.images, self.loras, self.grammars) if p is not None
+            p for p in (self.images, self.loras, self.grammars, WholePrompts()) if p is not None
         ]
         spec = config.speculative
         self.drafts = Drafts(spec, config.max_model_len) if spec is not None else None
@@ -256,7 +257,7 @@ class Scheduler:
                 return None
             return None if kv.swap_in(request, num_new) is None else num_new
         hit_block_ids, num_hit_tokens = [], 0
-        lookup = request.sampling_params.prompt_logprobs is None  # those need every position
+        lookup = not request.reads_every_position
         if lookup:
             hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
         num_new = self._num_new_tokens(request, num_hit_tokens, budget)

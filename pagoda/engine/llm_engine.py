@@ -129,6 +129,7 @@ class LLMEngine:
             max_model_len,
             config.limits,
             self.lora_config,
+            self.scheduler_config.max_num_batched_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Objects with record(IterationStats), called after each step and abort (metrics).
@@ -292,7 +293,7 @@ class LLMEngine:
             outputs += failed_outputs
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         progressed, stopped, failed, stats = self.output_processor.process_outputs(
-            core_outputs, now
+            core_outputs, now, runner_output.pooled
         )
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)

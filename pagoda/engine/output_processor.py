@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.core.sched_output import EngineCoreOutput
 from pagoda.core.stats import FinishedRequestStats, IterationStats
@@ -25,6 +26,8 @@ from pagoda.lora.request import LoRARequest
 from pagoda.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PositionLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -105,18 +108,35 @@ class RequestState:
     lora_request: LoRARequest | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was admitted
     trace_headers: dict[str, str] | None = None
+    # A pooling request (no completions): its scheduler id, and what its hidden states
+    # pooled into, once known.
+    pooling: str | None = None
+    pooled: Any = None
+    ended: bool = False  # aborted or failed
 
     @property
     def finished(self) -> bool:
+        if self.pooling is not None:
+            return self.pooled is not None or self.ended
         return all(c.finish_reason is not None for c in self.completions)
 
     @property
     def num_generation_tokens(self) -> int:
         return sum(c.num_tokens for c in self.completions)
 
-    def to_output(self) -> RequestOutput | None:
+    def to_output(self) -> RequestOutput | PoolingRequestOutput | None:
         """This step's output, or None where the output kind has nothing to send."""
         kind, finished = self.output_kind, self.finished
+        if self.pooling is not None:
+            return PoolingRequestOutput(
+                self.request_id,
+                None if self.pooled is None else PoolingOutput(self.pooled),
+                self.prompt_token_ids,
+                finished,
+                dataclasses.replace(self.metrics),
+                self.error,
+                self.error_is_client,
+            ) if finished else None  # fmt: skip
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         if kind == RequestOutputKind.DELTA:
@@ -151,6 +171,8 @@ class RequestState:
     def finished_stats(self) -> FinishedRequestStats:
         m = self.metrics
         reason = next((c.finish_reason for c in self.completions if c.finish_reason), "abort")
+        if self.pooled is not None:
+            reason = "stop"
         if self.error is not None:
             reason = "error"
         num_gen = self.num_generation_tokens
@@ -189,6 +211,8 @@ class OutputProcessor:
         state = self.states.get(request_id)
         if state is None:
             return []
+        if state.pooling is not None:
+            return [] if state.finished else [state.pooling]
         return [c.child_id for c in state.completions if c.finish_reason is None]
 
     def add_request(self, request_id: str, children: list[Request], prompt: str | None) -> None:
@@ -196,7 +220,10 @@ class OutputProcessor:
         p = first.sampling_params
         keeps_totals = p.output_kind != RequestOutputKind.DELTA
         completions = []
-        for i, child in enumerate(children):
+        pooling = first.request_id if first.pooling_params is not None else None
+        if pooling is not None:  # it reports under its own id, and writes no text
+            self.child_to_parent[pooling] = (request_id, 0)
+        for i, child in enumerate([] if pooling is not None else children):
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 first.prompt_token_ids,
@@ -218,20 +245,31 @@ class OutputProcessor:
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
             lora_request=first.lora_request,
             trace_headers=first.trace_headers,
+            pooling=pooling,
         )
 
     def process_outputs(
-        self, core_outputs: list[EngineCoreOutput], now: float
+        self, core_outputs: list[EngineCoreOutput], now: float, pooled: dict | None = None
     ) -> tuple[list[RequestOutput], list[str], list[str], IterationStats]:
-        """Apply one step's core outputs (at time `now`).
+        """Apply one step's core outputs (at time `now`), and what pooling requests'
+        hidden states came to (`pooled`, request id -> result).
 
         Returns (outputs of requests with something to send, child ids that hit a
-        stop string, child ids that failed here, the step's stats). The caller must
-        finish the stopped and failed children in the scheduler.
+        stop string or pooled, child ids that failed here, the step's stats). The
+        caller must finish the stopped and failed children in the scheduler.
         """
         stats = IterationStats()
         progressed: dict[str, RequestState] = {}
         stopped: list[str] = []
+        for request_id, data in (pooled or {}).items():
+            if request_id not in self.child_to_parent:  # aborted while its step ran
+                continue
+            state = self.states[self.child_to_parent[request_id][0]]
+            state.pooled, progressed[state.request_id] = data, state
+            stopped.append(request_id)
+            state.metrics.first_token_time = state.metrics.last_token_time = now
+            stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
         for out in core_outputs:
             parent_id, index = self.child_to_parent[out.request_id]
             state = self.states[parent_id]
@@ -239,7 +277,8 @@ class OutputProcessor:
             if state.error is not None:  # failed earlier in this step: nothing more counts
                 continue
             try:
-                if self._apply(state, state.completions[index], out, now, stats):
+                c = state.completions[index] if state.pooling is None else None
+                if self._apply(state, c, out, now, stats):
                     stopped.append(out.request_id)
             except Exception as e:  # a bug this request's data tripped: it fails alone
                 logger.exception("request %s failed in output processing", parent_id)
@@ -247,15 +286,14 @@ class OutputProcessor:
         failed = []
         for state in progressed.values():
             if state.error is not None:
-                failed += [
-                    c.child_id for c in state.completions if c.child_id in self.child_to_parent
-                ]
+                children = [state.pooling] if state.pooling else [c.child_id for c in state.completions]  # fmt: skip
+                failed += [cid for cid in children if cid in self.child_to_parent]
         return self._emit(progressed.values(), now, stats), stopped, failed, stats
 
     def _apply(
         self,
         state: RequestState,
-        c: CompletionState,
+        c: CompletionState | None,
         out: EngineCoreOutput,
         now: float,
         stats: IterationStats,
@@ -266,6 +304,8 @@ class OutputProcessor:
             m.first_scheduled_time = out.scheduled_time
             stats.queue_times.append(out.scheduled_time - m.arrival_time)
             state.num_cached_tokens = out.num_cached_tokens
+        if c is None:  # a pooling request: its result comes apart (process_outputs)
+            return False
         c.num_preemptions = max(c.num_preemptions, out.num_preemptions)
         if out.prompt_logprobs is not None:
             self._add_prompt_logprobs(state, *out.prompt_logprobs)
@@ -319,6 +359,7 @@ class OutputProcessor:
             finished = state.finished
             if finished:
                 state.metrics.finished_time = now
+                self.child_to_parent.pop(state.pooling, None)
             for c in state.completions:
                 c.add_delta_to_totals()
             output = state.to_output()
@@ -339,7 +380,7 @@ class OutputProcessor:
         `num_preemptions` (child id -> count) brings the scheduler's last counts."""
         for child_id, count in (num_preemptions or {}).items():
             parent = self.child_to_parent.get(child_id)
-            if parent is not None:
+            if parent is not None and self.states[parent[0]].pooling is None:
                 c = self.states[parent[0]].completions[parent[1]]
                 c.num_preemptions = max(c.num_preemptions, count)
         return self._end(request_ids, now, lambda state: None)
@@ -355,6 +396,7 @@ class OutputProcessor:
         stats = IterationStats()
         states = [self.states[r] for r in dict.fromkeys(request_ids) if r in self.states]
         for state in states:
+            state.ended = True
             mark(state)
             for c in state.completions:
                 if c.finish_reason is None:
@@ -363,7 +405,7 @@ class OutputProcessor:
 
     @staticmethod
     def _fail(state: RequestState, message: str, client_error: bool) -> None:
-        state.error, state.error_is_client = message, client_error
+        state.error, state.error_is_client, state.ended = message, client_error, True
         for c in state.completions:
             if c.finish_reason is None:
                 c.finish("error")

@@ -28,9 +28,11 @@ from typing import Any
 from pagoda.checks import INT64_MAX, INT64_MIN, check_bool, check_int, check_text, fail, show
 from pagoda.config import LoRAConfig, ModelConfig, RequestLimits
 from pagoda.engine.chat import ChatRenderer
+from pagoda.engine.pooling import PoolingInputs
 from pagoda.engine.reasoning import THINK_CLOSE, prompt_state
 from pagoda.engine.validation import RequestValidator, check_trace_headers
 from pagoda.lora.request import LoRARequest
+from pagoda.pooling_params import PoolingParams
 from pagoda.request import MultiModalFeature, Request
 from pagoda.sampling_params import SamplingParams
 
@@ -57,6 +59,7 @@ class Processor:
         max_model_len: int,
         limits: RequestLimits | None = None,
         lora_config: LoRAConfig | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)  # never shared with the engine thread
         self.model_config = model_config
@@ -73,6 +76,13 @@ class Processor:
             self.tokenizer, model_config, max_model_len, self.limits, lora_config
         )
         self.chat = ChatRenderer(self.validator, self.images, self.limits)
+        self.pooling = PoolingInputs(
+            self.tokenizer,
+            self.validator,
+            model_config,
+            max_model_len,
+            max_num_batched_tokens or max_model_len,
+        )
         # The validator's and the renderer's checks, under the front door's names.
         self.check_lora = self.validator.check_lora
         self.load_lora = self.validator.load_lora
@@ -89,7 +99,7 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None,
+        params: SamplingParams | PoolingParams | None,
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
@@ -99,13 +109,21 @@ class Processor:
         text if it had one). Child i of a request with n > 1 has id "<request_id>#<i>"
         and, if seeded, seed + i. `trace_headers`: the caller's W3C trace context
         (`traceparent`, `tracestate`), the parent of the request's span when traces
-        are exported. Raises InvalidRequestError naming the field."""
+        are exported. With PoolingParams, its one Request pools (engine/pooling.py).
+        Raises InvalidRequestError naming the field."""
         check_text(request_id, "request_id", 256)
         if not request_id:
             fail("request_id", "must not be empty")
         check_int(priority, "priority", INT64_MIN, INT64_MAX)
         if lora_request is not None:
             self.check_lora(lora_request)
+        if isinstance(params, PoolingParams):
+            return self.pooling.process(
+                request_id, prompt, params, priority, arrival_time, lora_request, trace_headers
+            )
+        if "generate" not in self.model_config.tasks:
+            fail("model", f"{self.model_config.model!r} does not generate: it serves "
+                 f"{', '.join(sorted(self.model_config.tasks))}")  # fmt: skip
         if params is None:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):

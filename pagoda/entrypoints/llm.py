@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -11,10 +12,22 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.pooling import cosine, score_pairs
 from pagoda.engine.processor import PromptType
 from pagoda.engine_args import EngineArgs
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagoda.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -95,6 +108,69 @@ class LLM:
             BeamSearchOutput([_beam(out, c, tokenizer) for c in out.outputs]) for out in outputs
         ]
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's `LLM.embed`): an embedding model's, or a
+        decoder's served with task="embed". `pooling_params`: dimensions, normalize,
+        truncate_prompt_tokens."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed")
+        return [
+            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
+            for o in self._pool(prompts, params, use_tqdm, lora_request)
+        ]  # fmt: skip
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities, from a classifier model (vLLM's `LLM.classify`)."""
+        params = PoolingParams(task="classify")
+        return [
+            ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data.tolist()), o.prompt_token_ids)
+            for o in self._pool(prompts, params, use_tqdm, lora_request)
+        ]  # fmt: skip
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of text pairs (vLLM's `LLM.score`): one text against each of a list,
+        or two lists pairwise. A cross-encoder reads each pair whole (its sigmoid score);
+        an embedding model scores the cosine of the two texts' embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        if "classify" in self.llm_engine.model_config.tasks:
+            params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+            prompts = [{"text_1": a, "text_2": b} for a, b in pairs]
+            return [
+                ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                for o in self._pool(prompts, params, use_tqdm, None)
+            ]  # fmt: skip
+        texts = [t for pair in pairs for t in pair]
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        embedded = self.embed(texts, params, use_tqdm)
+        out = []
+        for a, b in zip(embedded[0::2], embedded[1::2], strict=True):
+            score = cosine(a.outputs.embedding, b.outputs.embedding)
+            out.append(ScoringRequestOutput(a.request_id, ScoringOutput(score), a.prompt_token_ids + b.prompt_token_ids))  # fmt: skip
+        return out
+
+    def _pool(self, prompts, params: PoolingParams, use_tqdm: bool, lora_request):
+        outputs = self.generate(prompts, params, use_tqdm, lora_request)
+        for out in outputs:
+            if out.outputs is None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return outputs
+
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
@@ -139,7 +215,8 @@ class LLM:
                         pending.discard(out.request_id)
                         finished[out.request_id] = out
                         num_in += len(out.prompt_token_ids)
-                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            num_out += sum(len(o.token_ids) for o in out.outputs)
                         elapsed = time.perf_counter() - start
                         bar.set_postfix_str(
                             f"in: {num_in / elapsed:.0f} tok/s, out: {num_out / elapsed:.0f} tok/s"

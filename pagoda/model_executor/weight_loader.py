@@ -75,6 +75,47 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]], dtype:
     _Loader(model, dtype).run(weights)
 
 
+def load_by_name(
+    model: nn.Module,
+    weights: Iterable[tuple[str | None, Weight]],
+    dtype: torch.dtype,
+    params: dict[str, nn.Parameter] | None = None,
+) -> None:
+    """For models outside the decoder's loader (encoders, a vision tower): each weight
+    into the parameter of its (module's own) name, skipping None names; a quantized one
+    kept quantized in a `Linear` or `Embedding`, else in `dtype`. `params`: those to
+    load (default: all the model's). Raises ValueError naming a weight with no place,
+    of the wrong shape, or missing."""
+    params = dict(model.named_parameters()) if params is None else params
+    todo = set(params)
+    for name, w in weights:
+        if name is None:
+            continue
+        if name not in params:
+            raise ValueError(f"checkpoint weight {name!r} has no place in {type(model).__name__}.")  # fmt: skip
+        module_name, attr = name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if tuple(w.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(params[name].shape)}."
+            )
+        if isinstance(w, QuantizedWeight) and isinstance(module, Linear):
+            module.set_quantized(w)
+        elif isinstance(w, QuantizedWeight) and isinstance(module, Embedding):
+            module.set_quantized(w, dtype)
+        else:
+            if isinstance(w, QuantizedWeight):
+                w = TORCH_OPS.dequantize(w, dtype)
+            setattr(module, attr, nn.Parameter(w.to(dtype).contiguous(), requires_grad=False))
+        todo.discard(name)
+    if todo:
+        missing = sorted(todo)
+        raise ValueError(
+            f"checkpoint is missing weights: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+        )
+
+
 class _Loader:
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.model = model

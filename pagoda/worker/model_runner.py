@@ -3,7 +3,8 @@
 Owns the model, the KV cache tensors (allocated once from a byte budget) and
 the sampling generator. Each step it turns a `SchedulerOutput` into flat
 tensors, runs the model once, computes logits only where a token is sampled,
-samples, and copies back exactly the sampled ids.
+samples, and copies back exactly the sampled ids (and what pooling requests'
+hidden states pool into: embeddings, scores).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 import torch
 
 from pagoda.attention.context import forward_context
-from pagoda.attention.kv_cache import KV_CACHE_DTYPES, PagedKVCache, SwapPool
+from pagoda.attention.kv_cache import KV_CACHE_DTYPES, KVShape, PagedKVCache, SwapPool
 from pagoda.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pagoda.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.lora.manager import LoRAManager
+from pagoda.model_executor.layers.pooler import Pooler, classifier_output
+from pagoda.model_executor.models import BIDIRECTIONAL, needs
 from pagoda.ops import select_ops
 from pagoda.sample.sampler import SamplingTensors, compute_logprobs, sample
 from pagoda.worker.draft_model import DraftModel
@@ -45,6 +48,7 @@ class StepLogits:
     logits: torch.Tensor | None  # [sampled rows, V]: each sampling request's rows in order
     prompt_logits: dict[str, torch.Tensor]  # request id -> [prompt positions scored, V]
     grammar_bitmask: Any  # the step's [rows, ceil(V / 32)] int32 array, or None
+    pooled: dict[str, torch.Tensor] | None = None  # pooling request id -> its result
 
 
 class ModelRunner:
@@ -85,12 +89,20 @@ class ModelRunner:
             if lora_config is not None
             else None
         )
+        # Embeddings from the hidden states (an embedding model, or a decoder with --task embed).
+        self.pooler = None
+        if model_config.pooler is not None:
+            self.pooler = Pooler(model_config.pooler, self.dtype)
+        self.encoder = BIDIRECTIONAL in needs(model_config.architecture)
         budget = cache_config.kv_cache_memory_bytes
-        if budget is None:  # a GPU: what gpu_memory_utilization leaves
+        if budget is None and not self.encoder:  # a GPU: what gpu_memory_utilization leaves
             budget = gpu_kv_budget(
                 self.model, device_config, model_config.max_model_len, self.block_size
             )
-        self.num_blocks = self._allocate_kv_cache(budget, cache_config.kv_cache_dtype)
+        if self.encoder:  # no KV cache: a prompt runs whole and leaves nothing behind
+            self.num_blocks = self._bookkeeping_blocks()
+        else:
+            self.num_blocks = self._allocate_kv_cache(budget, cache_config.kv_cache_dtype)
         # Where every layer slides (and no draft model reads the same tables), blocks
         # behind the largest window can go back to the pool.
         self.sliding_window = None if self.drafter is not None else common_window(self.model)
@@ -104,8 +116,10 @@ class ModelRunner:
                 self.decode_loop_max_rows,
             )
         # Host pool for swapped-out blocks, same layout; empty unless preemption swaps.
-        self.num_host_blocks = cache_config.swap_space_bytes // parallel.sum_over_workers(
-            self.bytes_per_block
+        self.num_host_blocks = (
+            cache_config.swap_space_bytes // parallel.sum_over_workers(self.bytes_per_block)
+            if self.bytes_per_block
+            else 0
         )
         self.swap_pool = SwapPool(self.kv_cache, self.num_host_blocks)
         # A GPU: decode steps replay CUDA graphs, captured now for each batch size bucket.
@@ -169,6 +183,15 @@ class ModelRunner:
         )
         return num_blocks
 
+    def _bookkeeping_blocks(self) -> int:
+        """An encoder's: the scheduler's blocks are bookkeeping only (no prefix caching,
+        nothing swapped), so there are plenty of them and no tensors behind them."""
+        self.kv_cache = PagedKVCache.of(KVShape(1, 1, 1), 1, self.block_size, self.dtype)
+        self.bytes_per_block = 0
+        self.kv_cache_dtype_name = "none"
+        self.kv_expanded_bytes_per_token = 0
+        return 1 << 16
+
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the scheduled requests (after `move_blocks`). Each request's result depends
@@ -207,9 +230,14 @@ class ModelRunner:
             hidden = self.cuda_graphs.run(input_ids, positions, meta)  # [T, hidden]
         else:
             with forward_context(meta, lora):
-                hidden = self.model(input_ids, positions, inputs_embeds)  # [T, hidden]
+                if getattr(self.model, "takes_token_types", False):
+                    types = _token_types(reqs, cu_q).to(self.device, non_blocking=True)
+                    hidden = self.model(input_ids, positions, inputs_embeds, types)
+                else:
+                    hidden = self.model(input_ids, positions, inputs_embeds)  # [T, hidden]
         if hidden is None:  # a pipeline stage before the last: sent on
             return None
+        pooled = self._pool(reqs, hidden, cu_q)
         # Prompt logprobs: each chunk position scores the next prompt token.
         prompt_logits = {}
         for i, r in enumerate(reqs):
@@ -231,7 +259,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)  # [rows, V]
         if not self.parallel.is_driver:  # it took part in the gathers; the driver samples
             return None
-        return StepLogits(reqs, logits, prompt_logits, sched.grammar_bitmask)
+        return StepLogits(reqs, logits, prompt_logits, sched.grammar_bitmask, pooled)
 
     @torch.inference_mode()  # workers call it on its own, not through execute_model
     def sample_step(self, step: StepLogits | None) -> ModelRunnerOutput:
@@ -240,9 +268,10 @@ class ModelRunner:
         if step is None:
             return ModelRunnerOutput([], [])
         prompt_logprobs = self._prompt_logprobs(step.reqs, step.prompt_logits)
+        pooled = step.pooled and {rid: v.cpu() for rid, v in step.pooled.items()}
         sampled = [r for r in step.reqs if r.sampling_params is not None]
         if not sampled:
-            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, pooled=pooled)
         logits = step.logits
         row_reqs, grammar_rows, bitmask_rows = [], [], []
         for r in sampled:
@@ -274,6 +303,7 @@ class ModelRunner:
             token_ids,
             logprobs=logprobs if row_logprobs is not None else None,
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
 
     @torch.inference_mode()
@@ -332,8 +362,35 @@ class ModelRunner:
                 ]
         return out or None
 
+    def _pool(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, cu_q: torch.Tensor):
+        """Each pooling request's result from its prompt's hidden states (the whole
+        prompt is in this step): an embedding, or its classifier's probabilities or
+        score; None where the step has no pooling request."""
+        pooled = {}
+        for i, r in enumerate(reqs):
+            p = r.pooling_params
+            if p is None:
+                continue
+            rows = hidden[int(cu_q[i]) : int(cu_q[i + 1])]
+            if p.task == "embed":
+                pooled[r.request_id] = self.pooler.embed(rows, p)
+            else:
+                logits = self.model.classify(rows[:1])[0]
+                pooled[r.request_id] = classifier_output(logits, p.task)
+        return pooled or None
+
     def _prepare_inputs(self, reqs: list[ScheduledRequest]):
         return prepare_inputs(reqs, self.block_size, self.device)
+
+
+def _token_types(reqs: list[ScheduledRequest], cu_q: torch.Tensor) -> torch.Tensor:
+    """[T] token types: 1 from a scored pair's second text on (BERT's segments), else 0."""
+    types = torch.zeros(int(cu_q[-1]), dtype=torch.int64)
+    for i, r in enumerate(reqs):
+        start = r.pooling_params and r.pooling_params.pair_start
+        if start:
+            types[int(cu_q[i]) + start : int(cu_q[i + 1])] = 1
+    return types
 
 
 def _draft_rows(r: ScheduledRequest) -> list[ScheduledRequest]:

@@ -12,7 +12,7 @@ from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.model_executor import model_loader
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.mla import MLAttention
-from pagoda.model_executor.models import model_class
+from pagoda.model_executor.models import BASE_MODEL, model_class, needs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +27,12 @@ def load_model(mc: ModelConfig, ops, parallel: ParallelContext = SINGLE) -> torc
     weights = model_loader.iter_weights(
         mc.path, mc.is_gguf, mc.hf_config, mc.quantization, mc.keep_full_precision
     )
+    if BASE_MODEL in needs(mc.architecture):  # a decoder saved without its LM head
+        model.lm_head = None  # (it embeds only)
+    # A decoder's base model saved alone (sentence-transformers' embedding models) names
+    # its weights without the "model." that the causal LM puts before them.
+    bare = ("layers.", "embed_tokens.", "norm.")
+    weights = (("model." + n if n.startswith(bare) else n, w) for n, w in weights)
     model.load_weights(weights, DTYPES[mc.dtype])
     _release_free_memory()  # the loader's scratch (file parses, repacking) goes back
     return model.eval()

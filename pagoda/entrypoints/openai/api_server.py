@@ -57,6 +57,8 @@ from pagoda.entrypoints.openai.http_parts import (
     BodySizeLimitMiddleware,
     error_response,
     respond,
+    trace_headers,
+    until_disconnected,
 )
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -74,7 +76,14 @@ from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagoda.entrypoints.openai.responses_store import ResponseStore
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_engine import OpenAIServing
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
+from pagoda.entrypoints.openai.serving_pooling import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    ServingPooling,
+)
 from pagoda.entrypoints.openai.serving_responses import ServingResponses
 from pagoda.errors import (
     EngineDeadError,
@@ -270,6 +279,27 @@ def build_app(
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         return responses.delete(response_id)
+
+    pooling = ServingPooling(OpenAIServing(engine, models))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(req: EmbeddingRequest, raw_request: Request):
+        return await until_disconnected(
+            raw_request, pooling.embeddings(req, trace_headers(raw_request))
+        )
+
+    async def rerank(req: RerankRequest, raw_request: Request):
+        return await until_disconnected(
+            raw_request, pooling.rerank(req, trace_headers(raw_request))
+        )
+
+    async def score(req: ScoreRequest, raw_request: Request):
+        return await until_disconnected(raw_request, pooling.score(req, trace_headers(raw_request)))
+
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # Cohere's and Jina's clients' paths
+        app.post(path)(rerank)
+    for path in ("/v1/score", "/score"):
+        app.post(path)(score)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(req: CountTokensRequest):

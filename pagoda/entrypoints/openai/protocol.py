@@ -349,6 +349,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+    tasks: list[str] | None = None  # pagoda's: what it serves (generate, embed, classify, score)
 
 
 class ModelList(BaseModel):

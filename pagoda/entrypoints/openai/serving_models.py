@@ -99,6 +99,7 @@ class ServingModels:
             root=lora.lora_path if lora is not None else self.engine.model_config.path,
             parent=lora.base_model_name if lora is not None else None,
             max_model_len=self.engine.max_model_len,
+            tasks=sorted(self.engine.model_config.tasks),
         )
 
     async def load_lora_adapter(self, module: LoRAModulePath) -> LoRARequest:

@@ -202,6 +202,16 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
     async def messages(raw: Request):
         return await relay("/v1/messages", raw)
 
+    def relay_to(path: str):
+        async def route(raw: Request):
+            return await relay(path, raw)
+
+        return route
+
+    # Pooling (embeddings, rerank, scores): the replica's path as the client gave it.
+    for path in ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score"):
+        app.post(path)(relay_to(path))
+
     return app
 
 

@@ -14,6 +14,9 @@ EXPERTS = "experts"  # mixture-of-experts layers
 LATENT_ATTENTION = "latent_attention"  # MLA: one latent row a token in the cache
 VISION = "vision"  # an image encoder feeding the decoder
 NORMS_ACROSS_HEADS = "norms_across_heads"  # q/k norms over every head at once (OLMoE)
+BIDIRECTIONAL = "bidirectional"  # an encoder: every token sees every other; no KV cache
+CLASSIFIER = "classifier"  # a classifier head on an encoder (cross-encoders)
+BASE_MODEL = "base_model"  # a decoder saved without its LM head (embedding models)
 
 # architecture -> (module under pagoda.model_executor.models, class)
 ARCHITECTURES = {
@@ -37,6 +40,19 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
     # Vision-language: a vision encoder and projector feeding a Llama-family model.
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    # Decoders saved without their LM head (sentence-transformers' embedding models).
+    "LlamaModel": ("llama", "LlamaForCausalLM"),
+    "MistralModel": ("llama", "MistralForCausalLM"),
+    "Qwen2Model": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
+    # Encoders (embeddings), and with a classifier head (cross-encoders: scores).
+    "BertModel": ("bert", "BertModel"),
+    "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "RobertaModel": ("bert", "RobertaModel"),
+    "XLMRobertaModel": ("bert", "RobertaModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
 }
 
 
@@ -49,6 +65,14 @@ NEEDS = {
     "DeepseekV2ForCausalLM": {EXPERTS, LATENT_ATTENTION},
     "DeepseekV3ForCausalLM": {EXPERTS, LATENT_ATTENTION},
     "LlavaForConditionalGeneration": {VISION},
+    **dict.fromkeys(("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"), {BASE_MODEL}),
+    "BertModel": {BIDIRECTIONAL},
+    "ModernBertModel": {BIDIRECTIONAL},
+    "RobertaModel": {BIDIRECTIONAL},
+    "XLMRobertaModel": {BIDIRECTIONAL},
+    "BertForSequenceClassification": {BIDIRECTIONAL, CLASSIFIER},
+    "RobertaForSequenceClassification": {BIDIRECTIONAL, CLASSIFIER},
+    "XLMRobertaForSequenceClassification": {BIDIRECTIONAL, CLASSIFIER},
 }
 
 

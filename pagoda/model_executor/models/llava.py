@@ -19,6 +19,7 @@ from torch import nn
 
 from pagoda.model_executor.models import model_class
 from pagoda.model_executor.quantization import QuantizedWeight
+from pagoda.model_executor.weight_loader import load_by_name
 from pagoda.multimodal import num_image_tokens
 from pagoda.ops import TORCH_OPS, Ops
 
@@ -195,32 +196,14 @@ class LlavaForConditionalGeneration(nn.Module):
         vision tower's and projector's are kept floats in `dtype`."""
         vision: dict[str, torch.Tensor] = {}
         self.language_model.load_weights(self._split(weights, vision), dtype)
-        params = dict(self.named_parameters(remove_duplicate=False))
-        own = {n for n in params if not n.startswith("language_model.")}
+        own = {
+            n: p
+            for n, p in self.named_parameters(remove_duplicate=False)
+            if not n.startswith("language_model.")
+        }
         unused = ("vision_tower.post_layernorm.", "vision_tower.head.")
-        for name, w in vision.items():
-            if name.startswith(unused):
-                continue
-            if name not in own:
-                raise ValueError(
-                    f"checkpoint weight {name!r} has no place in {type(self).__name__}."
-                )
-            if isinstance(w, QuantizedWeight):
-                w = TORCH_OPS.dequantize(w, dtype)
-            if tuple(w.shape) != tuple(params[name].shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(params[name].shape)}."
-                )
-            module_name, attr = name.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            setattr(module, attr, nn.Parameter(w.to(dtype).contiguous(), requires_grad=False))
-            own.discard(name)
-        if own:
-            missing = sorted(own)
-            raise ValueError(
-                f"checkpoint is missing weights: {', '.join(missing[:5])}"
-                + (" ..." if len(missing) > 5 else "")
-            )
+        named = ((None if n.startswith(unused) else n, w) for n, w in vision.items())
+        load_by_name(self, named, dtype, own)
 
     @staticmethod
     def _split(weights, vision: dict[str, torch.Tensor]) -> Iterator[tuple[str, Any]]:
