@@ -43,11 +43,10 @@ def bidirectional_attention(
     if window is not None and window < longest:
         offsets = torch.arange(longest)
         near = (offsets[:, None] - offsets[None, :]).abs() <= window  # [L, L]
-    if len(lens) == 1:
-        out = F.scaled_dot_product_attention(
-            *(t.transpose(0, 1) for t in (q, k, v)), attn_mask=near
-        )
-        return out.transpose(0, 1)
+    if all(n == longest for n in lens):  # prompts of one length: a batch, nothing padded
+        batched = (t.view(len(lens), longest, H, D).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(*batched, attn_mask=near)
+        return out.transpose(1, 2).reshape(T, H, D)
     lens_t = torch.tensor(lens)
     starts = torch.cumsum(lens_t, 0) - lens_t
     offsets = torch.arange(longest)
