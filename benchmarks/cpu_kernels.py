@@ -1,6 +1,6 @@
 """pagoda's C++ CPU kernels against what they replace, one model step's worth each.
 
-    python benchmarks/cpu_kernels.py
+    python benchmarks/cpu_kernels.py [--output-json docs/perf/cpu_kernels.json]
 
 Shapes are SmolLM2-135M's (30 layers, hidden 576, 9 query / 3 KV heads of 64,
 MLP 1536, vocab 49152), in bf16. Every layer gets its own weights and KV slab,
@@ -9,6 +9,9 @@ so nothing is timed out of a warm cache that a real step would not have.
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 
 import torch
@@ -18,6 +21,12 @@ from pagoda.ops import TORCH_OPS, cpu
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 30, 576, 9, 3, 64, 49152
 LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+RESULTS: list[dict] = []  # every timing, for --output-json
+
+
+def report(line: str, **fields) -> None:
+    print(line)
+    RESULTS.append(fields)
 
 
 def best_ms(fn, repeats: int = 5) -> float:
@@ -50,10 +59,11 @@ def linears(kernels) -> None:
 
         onednn = best_ms(step(F.linear))
         ours = best_ms(step(lambda x, w: kernels.small_gemm(x, w, None)))
-        print(
+        report(
             f"linears, {rows:>2} rows: oneDNN {onednn:6.1f} ms  small_gemm {ours:6.1f} ms"
-            f"  ({onednn / ours:.2f}x; small_gemm streams weights at {weight_gb / ours * 1e3:.0f} GB/s)"
-        )
+            f"  ({onednn / ours:.2f}x; small_gemm streams weights at {weight_gb / ours * 1e3:.0f} GB/s)",
+            kernel="small_gemm", rows=rows, onednn_ms=onednn, ours_ms=ours,
+        )  # fmt: skip
 
 
 def decode_attention(kernels, batch: int = 64, context: int = 300, block_size: int = 16) -> None:
@@ -75,10 +85,11 @@ def decode_attention(kernels, batch: int = 64, context: int = 300, block_size: i
 
     ours, ref = best_ms(kernel, 3), best_ms(sdpa, 3)
     kv_gb = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 * LAYERS / 1e9
-    print(
+    report(
         f"decode attention, B={batch}, context {context}: kernel {ours:.1f} ms"
-        f" ({kv_gb / ours * 1e3:.1f} GB/s of K/V), gather + SDPA {ref:.1f} ms ({ref / ours:.1f}x)"
-    )
+        f" ({kv_gb / ours * 1e3:.1f} GB/s of K/V), gather + SDPA {ref:.1f} ms ({ref / ours:.1f}x)",
+        kernel="paged_decode_attention", batch=batch, context=context, torch_ms=ref, ours_ms=ours,
+    )  # fmt: skip
 
 
 def norm_and_rotary(kernels) -> None:
@@ -87,7 +98,8 @@ def norm_and_rotary(kernels) -> None:
 
     for rows in (1, 64, 2048):
         norm = RMSNorm(HIDDEN).bfloat16()
-        rotary = RotaryEmbedding(HEAD_DIM, 8192, 100000.0).bfloat16()
+        rope = {"rope_type": "default", "rope_theta": 100000.0}
+        rotary = RotaryEmbedding(HEAD_DIM, 8192, rope, 8192).bfloat16()
         x, residual = torch.randn(rows, HIDDEN).bfloat16(), torch.randn(rows, HIDDEN).bfloat16()
         qk = torch.randn(rows, HEADS + KV_HEADS, HEAD_DIM).bfloat16()
         positions = torch.randint(0, 8192, (rows,))
@@ -100,10 +112,11 @@ def norm_and_rotary(kernels) -> None:
                     (norm(x.clone(), r.clone()), rotary(pos, qk)) for _ in range(LAYERS)
                 ]
             )
-        print(
+        report(
             f"add+RMSNorm and rotary, {rows:>4} rows, 30 layers: PyTorch {times['torch']:.2f} ms"
-            f"  fused {times['fused']:.2f} ms ({times['torch'] / times['fused']:.1f}x)"
-        )
+            f"  fused {times['fused']:.2f} ms ({times['torch'] / times['fused']:.1f}x)",
+            kernel="add_rms_norm+rotary", rows=rows, torch_ms=times["torch"], ours_ms=times["fused"],
+        )  # fmt: skip
 
 
 def lora(kernels, rank: int = 16, num_adapters: int = 8) -> None:
@@ -149,13 +162,17 @@ def lora(kernels, rank: int = 16, num_adapters: int = 8) -> None:
                 torch_ops.add_lora_segments(y, x, lo, m.segments)
 
             ours, onednn = best_ms(step(kernel), 3), best_ms(step(gemm), 3)
-            print(
+            report(
                 f"LoRA rank {rank}, {rows:>4} rows in {num_segments} segment(s): lora_add "
-                f"{ours:7.2f} ms  oneDNN GEMMs {onednn:7.2f} ms ({onednn / ours:.2f}x)"
-            )
+                f"{ours:7.2f} ms  oneDNN GEMMs {onednn:7.2f} ms ({onednn / ours:.2f}x)",
+                kernel="lora_add", rows=rows, segments=num_segments, onednn_ms=onednn, ours_ms=ours,
+            )  # fmt: skip
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
     kernels = cpu.load()
     if kernels is None:
         raise SystemExit("the C++ kernels could not be built (see the log)")
@@ -167,6 +184,18 @@ def main() -> None:
     decode_attention(kernels)
     norm_and_rotary(kernels)
     lora(kernels)
+    if args.output_json:
+        from pagoda.bench.report import machine_info
+
+        report_json = {
+            "command": " ".join(["python", *sys.argv]),
+            "machine": machine_info(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "results": RESULTS,
+        }
+        with open(args.output_json, "w") as f:
+            json.dump(report_json, f, indent=2)
 
 
 if __name__ == "__main__":
