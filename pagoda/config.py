@@ -74,6 +74,8 @@ class CacheConfig:
     enable_prefix_caching: bool
     swap_space_bytes: int  # host pool for swapped-out blocks; 0 unless preemption_mode is "swap"
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
+    kv_offload_dir: str | None = None  # the disk tier (pagoda.core.kv_tier); None: none
+    kv_offload_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -34,15 +34,13 @@ from pagoda.config import (
 )
 from pagoda.model_executor import model_files
 from pagoda.model_executor.models import (
-    BASE_MODEL,
     BIDIRECTIONAL,
     EXPERTS,
-    LATENT_ATTENTION,
-    NORMS_ACROSS_HEADS,
     VISION,
     needs,
 )
 from pagoda.model_executor.tasks import pooler_config, resolve_tasks
+from pagoda.refusals import check_cuda, check_kv_offload, check_parallel, cuda_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +61,11 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
+    # A KV cache tier on disk (see pagoda.core.kv_tier): full prefix blocks that leave
+    # memory are kept here, up to kv_offload_bytes, and read back on a prefix miss, across
+    # restarts and by every server sharing the directory. None: off.
+    kv_offload_dir: str | None = None
+    kv_offload_bytes: int = 16 << 30
     seed: int = 0
     num_threads: int | None = None
     kernel_backend: str = "auto"
@@ -145,11 +148,16 @@ class EngineArgs:
             "max_model_len",
             "num_threads",
             "swap_space",
+            "kv_offload_bytes",
             "max_tokens_limit",
             "max_cpu_loras",
         ):
             if getattr(self, name) is not None:
                 positive(name)
+        if self.kv_offload_dir is not None and not (
+            isinstance(self.kv_offload_dir, str) and self.kv_offload_dir
+        ):
+            raise ValueError(f"kv_offload_dir must be a directory, got {self.kv_offload_dir!r}.")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}.")
         if self.max_lora_rank > MAX_LORA_RANK:
@@ -274,10 +282,11 @@ class EngineArgs:
             raise ValueError(
                 f"enable_lora: LoRA adapters on vision-language models are not supported yet ({arch})."
             )
-        self._check_parallel(hf_config)
+        check_parallel(self, hf_config)
+        check_kv_offload(self, hf_config)
         quantization, kernel_backend = self.quantization, self.kernel_backend
         if device == "cuda":
-            self._check_cuda(hf_config)
+            check_cuda(self, hf_config)
             quantization = "none"  # GGUF blocks expanded to the dtype: no GPU kernel yet
             kernel_backend = "triton" if kernel_backend == "auto" else kernel_backend
         model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
@@ -330,79 +339,12 @@ class EngineArgs:
             from pagoda.model_executor import model_loader
 
             path, is_gguf = model_files.resolve_model(self.model)
-            refusal = self._cuda_refusal(model_loader.load_hf_config(path, is_gguf))
+            refusal = cuda_refusal(self, model_loader.load_hf_config(path, is_gguf))
             if refusal is not None:
                 if warn:
                     logger.warning("device auto: %s; running on the CPU.", refusal)
                 return "cpu"
         return "cuda"
-
-    def _check_cuda(self, hf_config: dict[str, Any]) -> None:
-        refusal = self._cuda_refusal(hf_config)
-        if refusal is not None:
-            raise ValueError(refusal)
-
-    def _cuda_refusal(self, hf_config: dict[str, Any]) -> str | None:
-        """What the GPU path does not run yet, by field (None: it runs this)."""
-        arch = hf_config["architectures"][0]
-        head_dim = hf_config.get("head_dim") or (
-            hf_config["hidden_size"] // hf_config["num_attention_heads"]
-        )
-        if self.kernel_backend != "torch":  # the Triton attention's tiles
-            tiles = "a power of 2 of at least 16 (the Triton attention's tiles)"
-            if not _tile_size(self.block_size):
-                return f"block_size {self.block_size} on device 'cuda' must be {tiles}"
-            if not _tile_size(head_dim):
-                return f"model {arch!r}: head_dim {head_dim} on device 'cuda' must be {tiles}"
-        refusals = {
-            "quantization": self.quantization not in ("auto", "none"),
-            "kernel_backend": self.kernel_backend not in ("auto", "torch", "triton"),
-            "kv_cache_dtype": self.kv_cache_dtype != "auto",
-            "enable_lora": self.enable_lora,
-            "tensor_parallel_size": self.tensor_parallel_size * self.pipeline_parallel_size > 1,
-            "model": bool(
-                needs(arch) & {EXPERTS, LATENT_ATTENTION, VISION, BIDIRECTIONAL, BASE_MODEL}
-            ),
-            "task": self.task not in ("auto", "generate"),  # pooling: CPU-tested only
-            "speculative_config": (self.speculative_config or {}).get("method")
-            in ("draft", "draft_model"),
-        }
-        for name, refused in refusals.items():
-            if refused:
-                value = arch if name == "model" else getattr(self, name)
-                return (
-                    f"{name} {value!r} is not supported on device 'cuda' yet (the GPU path "
-                    "runs dense Llama-family models in float32/bf16/fp16, one process)"
-                )
-        return None
-
-    def _check_parallel(self, hf_config: dict[str, Any]) -> None:
-        """What a model split across workers does not run yet, refused by name."""
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if tp * pp == 1:
-            return
-        name = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
-        arch = hf_config["architectures"][0]
-        if self.enable_lora:
-            raise ValueError(f"{name} > 1: LoRA adapters are not split across workers yet.")
-        model_needs = needs(arch)
-        if model_needs & {VISION, BIDIRECTIONAL}:
-            raise ValueError(f"{name} > 1: {arch} is not split across workers yet.")
-        if tp > 1 and NORMS_ACROSS_HEADS in model_needs:
-            raise ValueError(
-                f"tensor_parallel_size > 1: {arch} is not supported yet (its q/k norms span "
-                "every head)."
-            )
-        if tp > 1 and LATENT_ATTENTION in model_needs:
-            raise ValueError(
-                f"tensor_parallel_size > 1: multi-head latent attention ({arch}) is not "
-                "split across workers yet."
-            )
-        from pagoda.distributed import split_heads, split_layers
-
-        heads = hf_config["num_attention_heads"]
-        split_heads(heads, hf_config.get("num_key_value_heads") or heads, tp, 0)
-        split_layers(hf_config["num_hidden_layers"], pp, 0)
 
     def _draft_model_config(
         self, target: ModelConfig, spec: SpeculativeConfig | None
@@ -461,6 +403,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching and not encoder,
             swap_space_bytes=self.swap_space if self.preemption_mode == "swap" else 0,
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_offload_dir=self.kv_offload_dir,
+            kv_offload_bytes=self.kv_offload_bytes,
         )
 
     def _lora_config(self) -> LoRAConfig | None:
@@ -492,7 +436,3 @@ def default_kv_cache_bytes() -> int:
     import psutil
 
     return int(min(4 << 30, psutil.virtual_memory().available // 4))
-
-
-def _tile_size(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0

@@ -21,7 +21,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.core.stats import IterationStats, LoRAStats, SchedulerStats, SpecDecodingStats
+from pagoda.core.stats import (
+    IterationStats,
+    KVCacheStats,
+    LoRAStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -120,6 +126,8 @@ class _EngineStatsCollector(Collector):
             yield from self._spec_decoding(stats.spec_decoding)
         if stats.lora is not None:
             yield from self._lora(stats.lora)
+        if stats.kv_cache.tier is not None:
+            yield from self._tier(stats.kv_cache)
         kv = stats.kv_cache
         info = GaugeMetricFamily(
             "pagoda:cache_config_info",
@@ -155,6 +163,48 @@ class _EngineStatsCollector(Collector):
             )
             for position, value in enumerate(values):
                 family.add_metric([self.model_name, str(position)], float(value))
+            yield family
+
+    def _tier(self, kv: KVCacheStats) -> Iterator[Metric]:
+        tier = kv.tier
+        for kind, name, doc, value in (
+            (GaugeMetricFamily, "blocks", "KV blocks the disk tier holds.", tier.stored_blocks),
+            (GaugeMetricFamily, "bytes", "Bytes the disk tier's files take.", tier.stored_bytes),
+            (
+                CounterMetricFamily,
+                "hit_tokens",
+                "Prompt tokens loaded from the disk tier (of prefix_cache_hits).",
+                kv.tier_hit_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "queries",
+                "KV blocks looked up in the disk tier (after missing in memory).",
+                tier.queries,
+            ),
+            (CounterMetricFamily, "hits", "KV blocks found in the disk tier.", tier.hits),
+            (
+                CounterMetricFamily,
+                "written_bytes",
+                "Bytes written to the disk tier.",
+                tier.bytes_written,
+            ),
+            (CounterMetricFamily, "read_bytes", "Bytes read from the disk tier.", tier.bytes_read),
+            (
+                CounterMetricFamily,
+                "load_seconds",
+                "Time spent reading and checking the disk tier's files.",
+                tier.load_seconds,
+            ),
+            (
+                CounterMetricFamily,
+                "removed_blocks",
+                "Disk tier files removed: damaged or foreign, or over the byte budget.",
+                tier.blocks_removed,
+            ),
+        ):
+            family = kind(f"pagoda:kv_tier_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
             yield family
 
     def _lora(self, lora: LoRAStats) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ import functools
 import io
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -800,6 +801,11 @@ class FakeRunner:
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """What the blocks hold, as bytes (a disk tier's `read_blocks`)."""
+        bs = self.block_size
+        return [pickle.dumps([self.kv.get(b * bs + o) for o in range(bs)]) for b in block_ids]
+
     def target(self, item, j: int) -> int:
         """The token the fake model samples at row j of `item` (j > 0: after drafts)."""
         return FIRST_TOKEN + item.num_output_tokens + j
@@ -813,7 +819,7 @@ class FakeRunner:
         assert len(set(ids)) == len(ids)
         assert out.num_batched_tokens == sum(len(item.token_ids) for item in out.scheduled)
         assert out.num_batched_tokens <= self.scheduler.config.max_num_batched_tokens
-        # Block moves first, in the runner's order: swap-outs, swap-ins, copies.
+        # Block moves first, in the runner's order: swap-outs, swap-ins, copies, loads.
         bs = self.block_size
         for device, host in out.blocks_to_swap_out:
             for offset in range(bs):
@@ -824,6 +830,9 @@ class FakeRunner:
         for src, dst in out.blocks_to_copy:
             for offset in range(bs):
                 self.kv[dst * bs + offset] = self.kv.get(src * bs + offset)
+        for block, payload in out.blocks_to_load:  # from the disk tier: read_blocks' bytes
+            for offset, prefix in enumerate(pickle.loads(payload)):
+                self.kv[block * bs + offset] = prefix
         # Every layer writes the step's new K/V before any attention reads. Drafts are
         # written like known tokens: the context of a draft includes the drafts before it.
         contexts = {}

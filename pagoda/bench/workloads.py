@@ -10,7 +10,16 @@ import json
 import random
 from dataclasses import dataclass
 
-WORKLOADS = ("mixed", "uniform", "shared-prefix", "long", "online", "grounded", "chat")
+WORKLOADS = (
+    "mixed", "uniform", "shared-prefix", "long", "online", "grounded", "chat", "multiturn",
+)  # fmt: skip
+
+# `multiturn`: conversations whose every turn resends the history (a system prompt and
+# document, then the earlier turns) and adds a question; the turns go round-robin over
+# the conversations, so a conversation's next turn comes after every other's.
+MULTITURN_CONVERSATIONS = 16
+MULTITURN_TURNS = 4
+MULTITURN_FIRST, MULTITURN_ANSWER, MULTITURN_QUESTION = 1024, 128, 64  # tokens
 
 # `grounded`: asks whose answer repeats text from the prompt, as summarizing, editing
 # and extraction do (where n-gram speculation pays). Passages from the shipped prose.
@@ -91,6 +100,8 @@ def make_workload(
         ]
     elif name == "grounded":
         reqs = _grounded(tokenizer, rng, num_prompts or 16)
+    elif name == "multiturn":
+        reqs = _multiturn(tokens, num_prompts or MULTITURN_CONVERSATIONS * MULTITURN_TURNS)
     elif name == "chat":
         asks = [a.format(t) for t in CHAT_TOPICS for a in CHAT_ASKS]
         reqs = [_chat_request(tokenizer, rng.choice(asks), 128) for _ in range(num_prompts or 16)]
@@ -99,6 +110,21 @@ def make_workload(
         reqs = [BenchRequest(tokens(prompt_len), 64) for _ in range(num_prompts or 8)]
     if name == "online" or request_rate != float("inf"):
         assign_poisson_arrivals(reqs, request_rate, rng)
+    return reqs
+
+
+def _multiturn(tokens, n: int) -> list[BenchRequest]:
+    """n turns, round-robin over the conversations (as many as n allows, up to 16). A
+    turn's history holds a stand-in for each earlier answer (the tokens the model will
+    have sampled are not known ahead), so what a later turn finds cached is the earlier
+    prompts: a reply costs MULTITURN_ANSWER tokens to recompute."""
+    num_conversations = min(n, MULTITURN_CONVERSATIONS)
+    histories = [tokens(MULTITURN_FIRST) for _ in range(num_conversations)]
+    reqs = []
+    for i in range(n):
+        history = histories[i % num_conversations]
+        reqs.append(BenchRequest(list(history), MULTITURN_ANSWER))
+        history += tokens(MULTITURN_ANSWER) + tokens(MULTITURN_QUESTION)
     return reqs
 
 

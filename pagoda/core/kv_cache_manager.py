@@ -23,6 +23,15 @@ of blocks. A prefix-cache hit then needs only the blocks the window reaches:
     window 6, block_size 4, next token at position 12:
     positions   0..3 | 4..7 | 8..11 | 12..
     block_table [ -1 ,  b2  ,  b9   , b4 ]   (keys 7.. are visible: block 0 is not)
+
+With a disk tier (pagoda.core.kv_tier), the computed full blocks of a request that
+finishes (or is aborted) go to the tier's writer thread, unless the tier holds them
+already; each keeps one more reference until the writer has copied it (so no step
+reuses it first), given back once a step (`release_saved`), or at once where the room
+is needed. A prefix
+lookup that misses in memory goes on in the tier, and each block found there gets a
+fresh block, filled by the runner before the step (`blocks_to_load`) instead of
+computed.
 """
 
 from __future__ import annotations
@@ -33,10 +42,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagoda.core.block_pool import BlockPool
+from pagoda.core.kv_tier import KVTier
 from pagoda.core.stats import KVCacheStats
 from pagoda.request import Request
 
 NO_BLOCK = -1  # a block table entry behind every sliding window: given back
+FROM_TIER = -2  # a prefix hit in the disk tier (get_computed_blocks): allocated, then loaded
 
 
 def cdiv(a: int, b: int) -> int:
@@ -80,11 +91,13 @@ class KVCacheManager:
         dtype: str = "auto",
         bytes_per_token: tuple[int, int] = (0, 0),
         sliding_window: int | None = None,
+        tier: KVTier | None = None,
     ) -> None:
         """`dtype`, `bytes_per_token` (a token's K/V, and what expanded K and V would
         take): what the blocks hold, for the stats (the runner's cache decides it).
         `sliding_window`: where every layer of the model has one, the largest (blocks
-        behind it are given back); None otherwise."""
+        behind it are given back); None otherwise. `tier`: the disk tier, if any (the
+        engine refuses it where every layer slides)."""
         self.sliding_window = sliding_window
         self.block_size = block_size
         self.dtype = dtype
@@ -100,6 +113,10 @@ class KVCacheManager:
         self.blocks_to_copy: list[tuple[int, int]] = []
         self.blocks_to_swap_out: list[tuple[int, int]] = []  # (device, host)
         self.blocks_to_swap_in: list[tuple[int, int]] = []  # (host, device)
+        self.tier = tier
+        self.blocks_to_load: list[tuple[int, bytes]] = []  # (block, payload from the tier)
+        self._staged_for: str | None = None  # the request whose tier hits are staged
+        self.tier_hits = 0  # prompt tokens found in the tier (of the prefix cache's hits)
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -138,6 +155,8 @@ class KVCacheManager:
                 break
             found.append(block_id)
         if not self.sliding_window:
+            if self.tier is not None and len(found) < max_blocks and not request.lora_int_id:
+                found += [FROM_TIER] * self._stage(request, hashes[len(found) : max_blocks])
             return found, len(found) * self.block_size
         # The longest prefix whose blocks within the next token's window are all cached;
         # the blocks before them are NO_BLOCK (no query will read them).
@@ -146,6 +165,14 @@ class KVCacheManager:
             if all(b is not None for b in found[first:n]):
                 return [NO_BLOCK] * first + found[first:n], n * self.block_size
         return [], 0
+
+    def _stage(self, request: Request, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, the tier holds (read and checked now,
+        at most as many as there are free blocks to load them into)."""
+        if self._staged_for != request.request_id:  # one request's reads held at a time
+            self.tier.drop_staged()
+            self._staged_for = request.request_id
+        return self.tier.stage(hashes[: self.block_pool.num_free_blocks])
 
     def _first_needed(self, position: int) -> int:
         """The first block a query at `position` (and every later one) may read."""
@@ -160,11 +187,14 @@ class KVCacheManager:
             record.block_ids[:first] = [NO_BLOCK] * first
             self.block_pool.free_blocks(behind)
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_lookup(
+        self, num_tokens: int, num_hit_tokens: int, hit_block_ids: Sequence[int] = ()
+    ) -> None:
         """Count an admitted request's lookup (a failed admission retries, uncounted)."""
         if self.enable_caching:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
+            self.tier_hits += hit_block_ids.count(FROM_TIER) * self.block_size
 
     def allocate_slots(
         self,
@@ -178,7 +208,8 @@ class KVCacheManager:
         never made findable by hash).
 
         `new_computed_block_ids` are prefix-cache hits (from `get_computed_blocks`)
-        to attach first. If the first token written lands in a block shared with
+        to attach first; those in the tier get new blocks, loaded before the step.
+        If the first token written lands in a block shared with
         another request, that block is copied first. Returns the newly allocated
         block ids, or None, in which case nothing was allocated or referenced.
         """
@@ -188,10 +219,12 @@ class KVCacheManager:
         block_ids = record.block_ids
         ref_cnts = self.block_pool.ref_cnts
         num_computed = request.num_computed_tokens + len(new_computed_block_ids) * self.block_size
+        num_loads = new_computed_block_ids.count(FROM_TIER)  # (they follow those in memory)
+        in_memory = list(new_computed_block_ids[: len(new_computed_block_ids) - num_loads])
         num_new_blocks = (
             cdiv(num_computed + num_new_tokens + num_lookahead, self.block_size)
             - len(block_ids)
-            - len(new_computed_block_ids)
+            - len(in_memory)
         )
         # Copy-on-write: the partial block we are about to write into is shared.
         cow_index = num_computed // self.block_size
@@ -202,8 +235,8 @@ class KVCacheManager:
             and ref_cnts[block_ids[cow_index]] > 1
         )
         # Hits sitting in the free queue stop being free once referenced.
-        num_evictable_hits = sum(1 for b in _held(new_computed_block_ids) if ref_cnts[b] == 0)
-        if num_new_blocks + needs_copy > self.block_pool.num_free_blocks - num_evictable_hits:
+        num_evictable_hits = sum(1 for b in _held(in_memory) if ref_cnts[b] == 0)
+        if not self._has_room(num_new_blocks + needs_copy + num_evictable_hits):
             return None
         self.requests[request.request_id] = record
         if needs_copy:
@@ -212,10 +245,14 @@ class KVCacheManager:
             self.block_pool.free_blocks([src])
             block_ids[cow_index] = dst
             self.blocks_to_copy.append((src, dst))
-        self.block_pool.touch(_held(new_computed_block_ids))
-        block_ids.extend(new_computed_block_ids)
+        self.block_pool.touch(_held(in_memory))
+        block_ids.extend(in_memory)
         new_block_ids = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        block_ids.extend(new_block_ids)
+        for block_id in new_block_ids[:num_loads]:
+            block_hash = record.block_hashes[len(block_ids)]
+            self.blocks_to_load.append((block_id, self.tier.take(block_hash)))
+            block_ids.append(block_id)
+        block_ids.extend(new_block_ids[num_loads:])
         # Findable at once: a request admitted later in this same step may share them,
         # since every layer writes the whole step's K/V before any attention reads. (If
         # the step fails for this request, forget_uncomputed takes them back.)
@@ -279,7 +316,7 @@ class KVCacheManager:
         host_ids = self.host_pool.get_new_blocks(len(block_ids))
         self.blocks_to_swap_out.extend(zip(block_ids, host_ids, strict=True))
         behind = len(record.block_ids) - len(block_ids) if record is not None else 0
-        self.free(request)
+        self.free(request, save=False)
         self.requests[request.request_id] = RequestBlocks(
             block_ids=[NO_BLOCK] * behind, host_block_ids=host_ids
         )
@@ -302,7 +339,7 @@ class KVCacheManager:
             len(host_ids),
             cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - behind,
         )
-        if num_needed > self.block_pool.num_free_blocks:
+        if not self._has_room(num_needed):
             return None
         device_ids = self.block_pool.get_new_blocks(len(host_ids))
         self.blocks_to_swap_in.extend(zip(host_ids, device_ids, strict=True))
@@ -313,22 +350,68 @@ class KVCacheManager:
         extra = self.allocate_slots(request, num_new_tokens)
         return device_ids + extra
 
-    def take_block_ops(self) -> tuple[list, list, list]:
-        """(copies, swap-outs, swap-ins) since the last call. The runner must do the
-        swap-outs first: their device blocks may be reused in the same step."""
-        ops = (self.blocks_to_copy, self.blocks_to_swap_out, self.blocks_to_swap_in)
+    def take_block_ops(self) -> tuple[list, list, list, list]:
+        """(copies, swap-outs, swap-ins, loads) since the last call, for the runner
+        before the step (see SchedulerOutput for the order it does them in). Once a
+        step, so also where the blocks the tier's writer has copied are given back."""
+        self.release_saved()
+        ops = (
+            self.blocks_to_copy,
+            self.blocks_to_swap_out,
+            self.blocks_to_swap_in,
+            self.blocks_to_load,
+        )
         self.blocks_to_copy, self.blocks_to_swap_out, self.blocks_to_swap_in = [], [], []
+        self.blocks_to_load = []
         return ops
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks (device and host); tail blocks are evicted first."""
+    def free(self, request: Request, save: bool = True) -> None:
+        """Release the request's blocks (device and host); tail blocks are evicted first.
+        With a tier and `save`, its computed full blocks are written there."""
         record = self.requests.pop(request.request_id, None)
         if record is None:
             return
+        if self._staged_for == request.request_id:
+            self.tier.drop_staged()
+            self._staged_for = None
+        if self.tier is not None and save and not request.lora_int_id:  # (adapter ids: ours)
+            self._save(record, request.num_computed_tokens)
         self.block_pool.free_blocks(reversed(_held(record.block_ids)))
         if record.host_block_ids is not None:
             self.host_pool.free_blocks(record.host_block_ids)
             self.num_swapped -= 1
+
+    def _save(self, record: RequestBlocks, num_computed_tokens: int) -> None:
+        """Hand the record's computed full blocks to the tier's writer, each held until
+        it is copied."""
+        num_full = min(record.num_cached_blocks, num_computed_tokens // self.block_size)
+        pool_hashes = self.block_pool.block_hashes
+        for block_id, block_hash in zip(
+            record.block_ids[:num_full], record.block_hashes, strict=False
+        ):
+            if (
+                block_id != NO_BLOCK
+                and pool_hashes[block_id] == block_hash  # (not forgotten after a failed step)
+                and self.tier.save(block_hash, block_id)
+            ):
+                self.block_pool.touch([block_id])
+
+    def release_saved(self) -> None:
+        """Give back the blocks the tier's writer has copied."""
+        if self.tier is not None:
+            self.block_pool.free_blocks(self.tier.take_saved())
+
+    def _has_room(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` are free, after waiting for the tier's writer to copy
+        the blocks it holds if that is what it takes (a copy is short; a preemption
+        for want of them would not be)."""
+        if num_blocks <= self.block_pool.num_free_blocks:
+            return True
+        if self.tier is None or not self.tier.num_copying:
+            return False
+        self.tier.wait_copied()
+        self.release_saved()
+        return num_blocks <= self.block_pool.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -345,6 +428,8 @@ class KVCacheManager:
             prefix_cache_hits=self.prefix_cache_hits,
             bytes_per_token=self.bytes_per_token[0],
             expanded_bytes_per_token=self.bytes_per_token[1],
+            tier=self.tier.snapshot() if self.tier is not None else None,
+            tier_hit_tokens=self.tier_hits,
         )
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:

@@ -108,10 +108,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Block moves to do before the forward, swap-outs first.
+    # Block moves to do before the forward: swap-outs first (their blocks may be reused
+    # this step), loads from the disk tier last (into blocks allocated this step).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy-on-write
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)  # (block, payload)
     # [rows, ceil(V / 32)] int32: allowed tokens of the rows sampled under a grammar.
     grammar_bitmask: np.ndarray | None = None
     # Encoder outputs the runner may drop (EncoderCacheManager evicted them).

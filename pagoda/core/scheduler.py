@@ -266,7 +266,7 @@ class Scheduler:
         if kv.allocate_slots(request, num_new, hit_block_ids) is None:
             return None
         if lookup:
-            kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            kv.record_prefix_lookup(request.num_tokens, num_hit_tokens, hit_block_ids)
         request.num_computed_tokens = num_hit_tokens
         return num_new
 
@@ -295,7 +295,7 @@ class Scheduler:
         step.budget -= num_new + len(drafts)
 
     def _output(self, step: _Step) -> SchedulerOutput:
-        copies, swap_out, swap_in = self.kv_cache_manager.take_block_ops()
+        copies, swap_out, swap_in, load = self.kv_cache_manager.take_block_ops()
         grammars = self.grammars
         return SchedulerOutput(
             scheduled=step.scheduled,
@@ -304,6 +304,7 @@ class Scheduler:
             blocks_to_copy=copies,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            blocks_to_load=load,
             grammar_bitmask=grammars.bitmask(self.requests, step.scheduled) if grammars else None,
             encoder_cache_evicted=self.images.cache.take_evicted(),
         )
@@ -467,7 +468,7 @@ class Scheduler:
         if swap and self.kv_cache_manager.swap_out(request):
             self.num_preemptions["swap"] += 1
         else:
-            self.kv_cache_manager.free(request)
+            self.kv_cache_manager.free(request, save=False)  # (saving would hold the room)
             request.num_computed_tokens = 0
             self.num_preemptions["recompute"] += 1
         request.status = RequestStatus.PREEMPTED

@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda.core.kv_tier import TierStats
 from pagoda.outputs import RequestMetrics
 from pagoda.request import Request, RequestStatus
 
@@ -34,6 +35,8 @@ class KVCacheStats:
     # What K and V of every head would take: more than bytes_per_token where the cache
     # holds multi-head latent attention's latent rows instead.
     expanded_bytes_per_token: int = 0
+    tier: TierStats | None = None  # the disk tier's, where there is one
+    tier_hit_tokens: int = 0  # of prefix_cache_hits, tokens loaded from the tier
 
     @property
     def capacity_tokens(self) -> int:

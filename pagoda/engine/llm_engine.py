@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -11,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_tier import KVTier, fingerprint
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.stats import EngineSnapshot, IterationStats, SchedulerStats
@@ -21,7 +23,7 @@ from pagoda.engine.processor import Processor, PromptType
 from pagoda.engine_args import EngineArgs
 from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.lora.request import LoRARequest
-from pagoda.model_executor.model_files import load_tokenizer
+from pagoda.model_executor.model_files import load_tokenizer, weights_identity
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -66,6 +68,7 @@ class LLMEngine:
                 config.draft_model,
                 device_config=config.device,
             )
+        self.kv_tier = None
         try:
             self._build_around_runner()
         except BaseException:
@@ -102,6 +105,7 @@ class LLMEngine:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
+        self.kv_tier = self._open_kv_tier(window)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache_config.block_size,
@@ -113,6 +117,7 @@ class LLMEngine:
                 self.model_runner.kv_expanded_bytes_per_token,
             ),
             sliding_window=window,
+            tier=self.kv_tier,
         )
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer,
@@ -152,6 +157,45 @@ class LLMEngine:
             capacity,
             max_model_len,
         )
+
+    def _open_kv_tier(self, window: int | None) -> KVTier | None:
+        """The disk tier, keyed by everything that changes what a block holds for the
+        same tokens; None without kv_offload_dir."""
+        cache_config, model_config = self.config.cache, self.model_config
+        if cache_config.kv_offload_dir is None:
+            return None
+        if window is not None:
+            raise ValueError(
+                "kv_offload_dir: not supported yet where every layer of the model slides "
+                f"({model_config.architecture})."
+            )
+        runner = self.model_runner
+        key = fingerprint(
+            weights_identity(model_config.path),
+            json.dumps(model_config.hf_config, sort_keys=True, default=str),
+            model_config.dtype,
+            model_config.quantization,
+            model_config.keep_full_precision,
+            model_config.int8_activations,
+            model_config.kernel_backend,
+            torch.backends.cpu.get_cpu_capability(),  # which kernels computed the K/V
+            cache_config.block_size,
+            runner.kv_cache_dtype_name,
+            runner.kv_cache.shape,
+        )
+        tier = KVTier(
+            cache_config.kv_offload_dir,
+            cache_config.kv_offload_bytes,
+            key,
+            runner.kv_cache.read_blocks,
+        )
+        logger.info(
+            "KV tier: %s (%.1f GiB at most), %d blocks there",
+            tier.folder,
+            cache_config.kv_offload_bytes / 2**30,
+            len(tier),
+        )
+        return tier
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -387,7 +431,10 @@ class LLMEngine:
         return self.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the worker processes, if the model is split across them (idempotent)."""
+        """Write what the disk tier has queued; stop the worker processes, if the model
+        is split across them (idempotent)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
         shutdown = getattr(self.model_runner, "shutdown", None)
         if shutdown is not None:
             shutdown()

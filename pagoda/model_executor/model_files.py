@@ -67,3 +67,29 @@ def tokenizer_cache_dir(gguf_path: str) -> str:
         f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()
     ).hexdigest()[:16]
     return os.path.join(envs.cache_dir(), "tokenizers", key)
+
+
+def weights_identity(path: str) -> list[tuple[str, int, str]]:
+    """What tells a model's weight files apart without reading them whole: each file's
+    name, size, and a digest of its first and last MiB (a copy elsewhere is the same
+    model; another fine-tune of the same shape is not). For keys that must outlive the
+    process (the disk KV tier's)."""
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(
+            os.path.join(path, f)
+            for f in os.listdir(path)
+            if f.endswith((".safetensors", ".bin", ".gguf", ".pt")) or f == "config.json"
+        )
+    identity = []
+    for file in files:
+        size = os.path.getsize(file)
+        digest = hashlib.blake2b(digest_size=16)
+        with open(file, "rb") as f:
+            digest.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(size - (1 << 20))
+                digest.update(f.read())
+        identity.append((os.path.basename(file), size, digest.hexdigest()))
+    return identity

@@ -308,7 +308,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def move_blocks(self, sched: SchedulerOutput) -> None:
-        """Swap-outs first (their device blocks may be reused this step), then swap-ins, then copies."""
+        """Swap-outs first (their device blocks may be reused this step), then swap-ins,
+        copies, and loads from the disk tier."""
         self.swap_pool.land()
         if sched.blocks_to_swap_out:
             dev, host = zip(*sched.blocks_to_swap_out, strict=True)
@@ -321,6 +322,9 @@ class ModelRunner:
             self.kv_cache.copy_blocks(list(src), list(dst))
             if self.drafter is not None:  # the request keeps its draft positions
                 self.drafter.kv_cache.copy_blocks(list(src), list(dst))
+        if sched.blocks_to_load:
+            block_ids, payloads = zip(*sched.blocks_to_load, strict=True)
+            self.kv_cache.write_blocks(list(block_ids), list(payloads))
 
     def _embed_with_images(
         self, reqs: list[ScheduledRequest], input_ids: torch.Tensor, cu_q: torch.Tensor

@@ -199,6 +199,22 @@ def test_shared_prefix_shares_448_tokens(tokenizer):
     assert other.prompt_token_ids[:448] != prefix
 
 
+def test_multiturn_turns_resend_their_history(tokenizer):
+    """16 conversations of 4 turns, round-robin: each turn's prompt starts with the
+    whole of the conversation's previous one, and conversations share nothing."""
+    reqs = make_workload("multiturn", tokenizer)
+    assert len(reqs) == 64 and all(r.output_len == 128 for r in reqs)
+    for i, r in enumerate(reqs):
+        if i >= 16:
+            before = reqs[i - 16].prompt_token_ids
+            assert r.prompt_token_ids[: len(before)] == before
+            assert len(r.prompt_token_ids) == len(before) + 128 + 64
+        else:
+            assert len(r.prompt_token_ids) == 1024
+    assert len({tuple(r.prompt_token_ids[:16]) for r in reqs[:16]}) == 16
+    assert len(make_workload("multiturn", tokenizer, num_prompts=6)) == 6
+
+
 def test_online_arrivals_are_poisson(tokenizer):
     rate = 4.0
     reqs = make_workload("online", tokenizer, num_prompts=1000, request_rate=rate)

@@ -285,15 +285,15 @@ def test_what_a_family_does_not_run_yet_is_refused_by_name(family_models):
     """MLA split across workers, LoRA on DeepSeek's experts: a ValueError naming the
     field, before anything loads."""
     from pagoda import EngineArgs
+    from pagoda.refusals import cuda_refusal
 
     folder = family_models["deepseek_v2"]
     with pytest.raises(ValueError, match="tensor_parallel_size > 1: multi-head latent"):
         EngineArgs(model=folder, tensor_parallel_size=2).create_model_config()
     with pytest.raises(ValueError, match="enable_lora: LoRA adapters on mixture-of-experts"):
         EngineArgs(model=folder, enable_lora=True).create_model_config()
-    refusal = EngineArgs(model=folder)._cuda_refusal(
-        EngineArgs(model=folder).create_model_config().hf_config
-    )
+    args = EngineArgs(model=folder)
+    refusal = cuda_refusal(args, args.create_model_config().hf_config)
     assert refusal is not None and "DeepseekV2ForCausalLM" in refusal
 
 
@@ -325,11 +325,12 @@ def test_the_gpu_path_refuses_by_what_a_model_needs():
     Gemma 3's text half among them, are not."""
     from pagoda import EngineArgs
     from pagoda.model_executor.models import ARCHITECTURES, needs
+    from pagoda.refusals import cuda_refusal
 
     shape = {"hidden_size": 256, "num_attention_heads": 4}
     refused = set()
     for arch in ARCHITECTURES:
-        refusal = EngineArgs(model="unused")._cuda_refusal({"architectures": [arch], **shape})
+        refusal = cuda_refusal(EngineArgs(model="unused"), {"architectures": [arch], **shape})
         if refusal is not None:
             assert arch in refusal and "device 'cuda'" in refusal
             refused.add(arch)

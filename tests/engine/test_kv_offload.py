@@ -1,0 +1,132 @@
+"""The disk KV tier under a real engine (--kv-offload-dir): a restart finds a prompt's
+blocks there and answers as a prefix-cache hit would; damaged, truncated or foreign
+files are misses that give the cold output; blocks evicted from a small pool come
+back from the tier; the metrics count it; what it does not keep yet is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda import LLM, EngineArgs, SamplingParams
+from pagoda.metrics import EngineMetrics
+from tests.helpers import hf_greedy, make_model, tiny_prompts
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4  # the tiny model's, float32: layers, K/V, kv heads, head_dim
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_llama) -> list[int]:
+    """A prompt of 6 full blocks and a bit (what the tier keeps: full blocks)."""
+    from transformers import AutoTokenizer
+
+    tokens = [t for p in tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), 12) for t in p]
+    return tokens[: 6 * BS + 5]
+
+
+def answer(folder: str, tier: str, prompt: list[int], **kwargs):
+    """A fresh engine on the tier's directory (a restart): its output and KV stats."""
+    llm = LLM(model=folder, kv_offload_dir=str(tier), block_size=BS, **kwargs)
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    stats = llm.llm_engine.get_stats().kv_cache
+    llm.llm_engine.shutdown()  # (writes what is queued)
+    return out, stats
+
+
+def tier_files(tier) -> list[str]:
+    (folder,) = [os.path.join(tier, d) for d in os.listdir(tier)]
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder))
+
+
+def test_a_restart_loads_the_prompt_from_the_tier(tiny_llama, prompt, tmp_path):
+    cold, cold_stats = answer(tiny_llama, tmp_path, prompt)
+    assert cold.num_cached_tokens == 0 and cold_stats.tier.hits == 0
+    assert len(tier_files(tmp_path)) >= 6  # the prompt's full blocks (and the output's)
+    warm, stats = answer(tiny_llama, tmp_path, prompt)
+    assert warm.num_cached_tokens == 6 * BS == stats.tier_hit_tokens
+    assert stats.tier.hits == 6 and stats.tier.bytes_read > 0 and stats.tier.bytes_written == 0
+    hf = hf_greedy(tiny_llama, (tuple(prompt),), GREEDY.max_tokens)[0]
+    assert list(warm.outputs[0].token_ids) == list(cold.outputs[0].token_ids) == hf
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign"])
+def test_a_damaged_file_is_a_miss(tiny_llama, prompt, tmp_path, damage):
+    """The first block's file spoiled: nothing is loaded past it, the answer is the cold
+    one, and the file is gone."""
+    from pagoda.core.kv_cache_manager import hash_block
+
+    tier = tmp_path / "tier"
+    cold, _ = answer(tiny_llama, tier, prompt)
+    name = hash_block(None, prompt[:BS]).hex() + ".kv"
+    (first,) = [f for f in tier_files(tier) if os.path.basename(f) == name]
+    if damage == "garbage":
+        with open(first, "r+b") as f:
+            f.seek(os.path.getsize(first) // 2)
+            f.write(os.urandom(64))
+    elif damage == "truncated":
+        os.truncate(first, os.path.getsize(first) // 3)
+    else:  # another cache's block (int8 K/V) under this cache's name
+        answer(tiny_llama, tmp_path / "other", prompt, kv_cache_dtype="int8")
+        (other,) = [f for f in tier_files(tmp_path / "other") if os.path.basename(f) == name]
+        os.replace(other, first)
+    warm, stats = answer(tiny_llama, tier, prompt)
+    assert warm.num_cached_tokens == 0 and stats.tier.blocks_removed == 1
+    assert list(warm.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+
+
+def test_blocks_evicted_from_a_small_pool_come_back_from_the_tier(tiny_llama, prompt, tmp_path):
+    """Other prompts push the first one's blocks out of memory; it is then found in
+    the tier, in the same process; nothing stays held once the writer is done."""
+    from transformers import AutoTokenizer
+
+    others = tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), 6, seed=5)
+    others = [(p * 8)[: 6 * BS] for p in others]
+    llm = LLM(model=tiny_llama, kv_offload_dir=str(tmp_path), block_size=BS,
+              kv_cache_memory_bytes=16 * BLOCK_BYTES)  # fmt: skip
+    engine = llm.llm_engine
+    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    for other in others:
+        llm.generate([{"prompt_token_ids": other}], GREEDY, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    stats = engine.get_stats().kv_cache
+    assert again.num_cached_tokens == 6 * BS and stats.tier_hit_tokens >= 6 * BS
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    engine.kv_tier.flush()
+    engine.kv_cache_manager.release_saved()
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+    metrics = EngineMetrics("tiny", engine.max_model_len, engine.get_stats)
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    assert values["pagoda:kv_tier_hit_tokens_total"] == stats.tier_hit_tokens
+    assert values["pagoda:kv_tier_written_bytes_total"] > 0
+    assert values["pagoda:kv_tier_blocks"] == stats.tier.stored_blocks > 0
+    engine.shutdown()
+
+
+def test_what_the_tier_does_not_keep_yet_is_refused(tiny_llama, tmp_path):
+    from pagoda.refusals import cuda_refusal
+
+    for kwargs, match in [
+        (dict(tensor_parallel_size=2), "split across workers"),
+        (dict(enable_prefix_caching=False), "enable_prefix_caching"),
+        (dict(speculative_config={"method": "draft", "model": tiny_llama,
+                                  "num_speculative_tokens": 2}), "draft model"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"kv_offload_dir: .*{match}"):
+            EngineArgs(
+                model=tiny_llama, kv_offload_dir=str(tmp_path), **kwargs
+            ).create_engine_config()
+    with pytest.raises(ValueError, match="kv_offload_dir must be a directory"):
+        EngineArgs(model=tiny_llama, kv_offload_dir="").verify()
+    args = EngineArgs(model=tiny_llama, kv_offload_dir=str(tmp_path))
+    assert "kv_offload_dir" in cuda_refusal(args, args.create_model_config().hf_config)
+    sliding = make_model(str(tmp_path / "mistral_window"), "mistral_window")
+    with pytest.raises(ValueError, match="kv_offload_dir: .*every layer of the model slides"):
+        LLM(model=sliding, kv_offload_dir=str(tmp_path / "tier"))
