@@ -66,9 +66,7 @@ def main() -> None:
     stats = pstats.Stats(profile).stats
     ms = {}
     for group, suffix, name in GROUPS:
-        total = sum(
-            v[3] for (f, _, fn), v in stats.items() if f.endswith(suffix) and fn == name
-        )
+        total = sum(v[3] for (f, _, fn), v in stats.items() if f.endswith(suffix) and fn == name)
         ms[group] = 1000 * total / args.steps
     ms["forward_other"] = ms["forward"] - ms["linear"] - ms["attention"]
     ms["engine_other"] = ms["step"] - ms["forward"] - ms["sample"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -157,31 +158,25 @@ class PagedKVCache:
             t[:, :, index] = t[:, :, source]
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Each block's K/V as bytes on the host: its values, then its scales if any
-        (for the disk tier; `write_blocks` takes them back)."""
-        index = torch.tensor(block_ids, device=self.data.device)
-        parts = [
-            t.index_select(2, index).movedim(2, 0).reshape(len(block_ids), -1).cpu()
-            for t in self.tensors()
-        ]
-        rows = [p.view(torch.uint8).numpy() for p in parts]  # (bf16 has no numpy dtype)
-        return [b"".join(r[i].tobytes() for r in rows) for i in range(len(block_ids))]
+        """Each block's K/V as bytes: its values, then its scales if any (for the disk
+        tier, whose writer thread calls this; `write_blocks` takes them back). Through
+        numpy views of the host tensors: no torch op, so no second caller of torch's
+        thread pool while a step runs."""
+        views = [t.view(torch.uint8).numpy() for t in self.tensors()]
+        return [b"".join(v[:, :, b].tobytes() for v in views) for b in block_ids]
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        """Blocks `block_ids` from `read_blocks`' bytes (of a cache of the same shape)."""
-        tensors = self.tensors()
-        sizes = [t[:, :, 0].numel() * t.element_size() for t in tensors]
-        if any(len(p) != sum(sizes) for p in payloads):
-            raise ValueError(f"a KV block is {sum(sizes)} bytes; got other lengths.")
-        rows = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8)
-        rows = rows.view(len(block_ids), -1)
-        index = torch.tensor(block_ids, device=self.data.device)
-        start = 0
-        for t, size in zip(tensors, sizes, strict=True):
-            blocks = rows[:, start : start + size].contiguous().view(t.dtype)
-            blocks = blocks.view(len(block_ids), *t.shape[:2], *t.shape[3:]).movedim(0, 2)
-            t.index_copy_(2, index, blocks.to(t.device))
-            start += size
+        """Blocks `block_ids` from `read_blocks`' bytes (of a cache of the same shape):
+        one copy each, from the payload into the cache."""
+        views = [t.view(torch.uint8).numpy() for t in self.tensors()]
+        sizes = [v[:, :, 0].size for v in views]
+        for block_id, payload in zip(block_ids, payloads, strict=True):
+            if len(payload) != sum(sizes):
+                raise ValueError(f"a KV block is {sum(sizes)} bytes, got {len(payload)}.")
+            data, start = np.frombuffer(payload, dtype=np.uint8), 0
+            for v, size in zip(views, sizes, strict=True):
+                v[:, :, block_id] = data[start : start + size].reshape(v[:, :, block_id].shape)
+                start += size
 
 
 class SwapPool:

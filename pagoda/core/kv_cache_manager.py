@@ -405,12 +405,12 @@ class KVCacheManager:
         """Whether `num_blocks` are free, after waiting for the tier's writer to copy
         the blocks it holds if that is what it takes (a copy is short; a preemption
         for want of them would not be)."""
-        if num_blocks <= self.block_pool.num_free_blocks:
-            return True
-        if self.tier is None or not self.tier.num_copying:
-            return False
-        self.tier.wait_copied()
+        if num_blocks <= self.block_pool.num_free_blocks or self.tier is None:
+            return num_blocks <= self.block_pool.num_free_blocks
         self.release_saved()
+        if num_blocks > self.block_pool.num_free_blocks and self.tier.num_copying:
+            self.tier.wait_copied()
+            self.release_saved()
         return num_blocks <= self.block_pool.num_free_blocks
 
     @property

@@ -2,7 +2,7 @@
 pool are written here, and a prefix lookup that misses in memory reads them back.
 
 One file a block, `<dir>/<fingerprint>/<block hash>.kv`: a header (magic, the
-fingerprint, the block's hash, the payload's length and its BLAKE2b checksum), then
+fingerprint, the block's hash, the payload's length and its CRC-32), then
 the block's K/V as the runner laid it out. The fingerprint keys everything that
 changes what a block holds for the same tokens (the model's files, dtype, block size,
 quantization, KV dtype, the cache's shape), so another model's blocks are never
@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -36,7 +37,9 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"PAGODAKV"
 VERSION = 1
-_HEADER = len(MAGIC) + 1 + 16 + 16 + 8 + 16  # magic, version, fingerprint, hash, length, checksum
+HEADER_BYTES = (
+    len(MAGIC) + 1 + 16 + 16 + 8 + 4
+)  # magic, version, fingerprint, hash, length, checksum
 
 
 def fingerprint(*parts: object) -> bytes:
@@ -45,7 +48,8 @@ def fingerprint(*parts: object) -> bytes:
 
 
 def _checksum(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+    """CRC-32: damage, not an adversary (the header names the model); 4x BLAKE2b's speed."""
+    return zlib.crc32(payload).to_bytes(4, "little")
 
 
 @dataclass
@@ -82,7 +86,7 @@ class KVTier:
         self._copied: list[int] = []  # blocks the writer is done reading
         self.num_copying = 0  # blocks queued and not yet read
         self._copy_done = threading.Condition(self._lock)
-        self._staged: dict[bytes, bytes] = {}  # read and checked, for the runner to load
+        self._staged: dict[bytes, memoryview] = {}  # read and checked, for the runner
         self._queue: queue.Queue[tuple[bytes, int] | None] = queue.Queue()
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
@@ -120,7 +124,7 @@ class KVTier:
         self.stats.load_seconds += time.perf_counter() - start
         return n
 
-    def take(self, block_hash: bytes) -> bytes:
+    def take(self, block_hash: bytes) -> memoryview:
         """A staged block's payload (the runner loads it into the block allocated for it)."""
         return self._staged.pop(block_hash)
 
@@ -224,7 +228,7 @@ class KVTier:
 
     # ---- reading ------------------------------------------------------------------
 
-    def _read(self, block_hash: bytes) -> bytes | None:
+    def _read(self, block_hash: bytes) -> memoryview | None:
         """The block's payload, checked; None (and the file removed if it is bad) if it
         is not here."""
         path = self._path(block_hash)
@@ -253,16 +257,16 @@ class KVTier:
             self.stats.bytes_read += len(data)
         return payload
 
-    def _payload(self, data: bytes, block_hash: bytes) -> bytes | None:
+    def _payload(self, data: bytes, block_hash: bytes) -> memoryview | None:
         """The payload of a file's bytes, if its header and checksum hold."""
-        if len(data) < _HEADER or data[: len(MAGIC)] != MAGIC or data[len(MAGIC)] != VERSION:
+        if len(data) < HEADER_BYTES or data[: len(MAGIC)] != MAGIC or data[len(MAGIC)] != VERSION:
             return None
         at = len(MAGIC) + 1
         if data[at : at + 16] != self.fingerprint or data[at + 16 : at + 32] != block_hash:
             return None
         length = int.from_bytes(data[at + 32 : at + 40], "little")
-        checksum = data[at + 40 : at + 56]
-        payload = data[_HEADER:]
+        checksum = data[at + 40 : at + 44]
+        payload = memoryview(data)[HEADER_BYTES:]  # (not copied)
         if len(payload) != length or _checksum(payload) != checksum:
             return None
         return payload

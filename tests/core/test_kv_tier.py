@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_tier import KVTier, fingerprint
+from pagoda.core.kv_tier import HEADER_BYTES, KVTier, fingerprint
 from pagoda.core.scheduler import Scheduler
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
@@ -99,7 +99,7 @@ def test_damaged_truncated_and_foreign_files_are_misses_and_go(tmp_path):
 
 
 def test_the_budget_drops_the_least_recently_used(tmp_path):
-    size = len(block(0)[1]) + 97  # payload and header
+    size = len(block(0)[1]) + HEADER_BYTES  # payload and header
     tier = written(tmp_path, 3, max_bytes=3 * size)
     assert tier.stage([block(0)[0]]) == 1  # block 0 read: now the most recent
     save(tier, 3)

@@ -130,3 +130,30 @@ def test_what_the_tier_does_not_keep_yet_is_refused(tiny_llama, tmp_path):
     sliding = make_model(str(tmp_path / "mistral_window"), "mistral_window")
     with pytest.raises(ValueError, match="kv_offload_dir: .*every layer of the model slides"):
         LLM(model=sliding, kv_offload_dir=str(tmp_path / "tier"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("num_kv", [2, 1])  # K and V, or MLA's one latent row
+def test_blocks_leave_and_come_back_as_they_were(dtype, num_kv):
+    """read_blocks -> write_blocks into another cache of the same shape: the same bytes
+    (values and fp16 scales), in other block ids; a payload of another length is refused."""
+    import torch
+
+    from pagoda.attention.kv_cache import PagedKVCache
+
+    dtype = getattr(torch, dtype)
+    source = PagedKVCache(3, 8, 4, 2, 8, dtype, num_kv=num_kv)
+    raw = source.data.view(torch.uint8)
+    raw.copy_(torch.randint(0, 120, raw.shape, dtype=torch.uint8))
+    if source.scales is not None:
+        source.scales.normal_()
+    payloads = source.read_blocks([5, 2])
+    assert [len(p) for p in payloads] == [source.bytes_per_block_of(source.shape, 4, dtype)] * 2
+    dest = PagedKVCache(3, 8, 4, 2, 8, dtype, num_kv=num_kv)
+    dest.write_blocks([1, 6], payloads)
+    for a, b in [(5, 1), (2, 6)]:
+        for t_src, t_dst in zip(source.tensors(), dest.tensors(), strict=True):
+            assert torch.equal(t_src[:, :, a].view(torch.uint8), t_dst[:, :, b].view(torch.uint8))
+    assert dest.data[:, :, [0, 2, 3, 4, 5, 7]].view(torch.uint8).count_nonzero() == 0
+    with pytest.raises(ValueError, match="a KV block is"):
+        dest.write_blocks([0], [payloads[0][:-1]])
