@@ -168,6 +168,10 @@ class KVTier:
             self._writer.join()
 
     def _write_loop(self) -> None:
+        # The lowest priority: the step's threads hold every core, and the writer works
+        # in their gaps (the engine waits for it only where it needs the room it holds).
+        with contextlib.suppress(OSError, AttributeError):  # (not Linux: as it comes)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         stop = False
         while not stop:
             batch = [self._queue.get()]
