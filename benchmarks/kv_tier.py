@@ -8,8 +8,9 @@
    the greedy tokens of each (32).
 2. Decode while the tier writes. 16 requests of 256 prompt tokens and 32..256 output
    tokens, so that requests finish, and are written, while the others decode: output
-   tokens/s and mean inter-token latency with the tier and without, alternating
-   rounds, each in a fresh process (and a fresh directory, so every block is written).
+   tokens/s and mean inter-token latency with the tier and without, in rounds (which
+   goes first alternates), each in a fresh process (and a fresh directory, so every
+   block is written); medians over the rounds.
 
     python benchmarks/kv_tier.py --output-json docs/perf/kv_tier.json
 """
@@ -124,7 +125,7 @@ def run_child(args, **extra) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="default: pagoda's default model")
-    p.add_argument("--rounds", type=int, default=3, help="decode rounds with and without")
+    p.add_argument("--rounds", type=int, default=6, help="decode rounds with and without")
     p.add_argument("--output-json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -169,10 +170,11 @@ def main() -> None:
     print(json.dumps({k: v for k, v in restart.items() if k != "tokens"}, indent=1))
 
     rounds = {"without": [], "with": []}
-    for _ in range(args.rounds):
-        rounds["without"].append(run_child(args, phase="decode"))
-        with tempfile.TemporaryDirectory() as folder:
-            rounds["with"].append(run_child(args, phase="decode", dir=folder))
+    for i in range(args.rounds):  # alternating which goes first, against drift
+        for which in ("without", "with") if i % 2 == 0 else ("with", "without"):
+            with tempfile.TemporaryDirectory() as folder:
+                extra = {"dir": folder} if which == "with" else {}
+                rounds[which].append(run_child(args, phase="decode", **extra))
         print(rounds["without"][-1], rounds["with"][-1], flush=True)
 
     def median(key: str, which: str) -> float:
