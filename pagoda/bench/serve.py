@@ -10,7 +10,7 @@ Timing, all on the client's `perf_counter` clock:
 - a request's clock starts at its scheduled arrival. A request that waits for a
   free `--max-concurrency` slot has that wait in its TTFT and E2EL, as its user
   would (vLLM's benchmark starts at the send instead); `client_wait_ms` reports
-  the wait alone;
+  the wait alone, and `ttft_after_send_ms` the TTFT from the send;
 - a token time is taken for every streamed chunk that carries text, so ITL is
   the gap between such chunks. The output token count comes from the usage
   chunk, or, from a server that sends none, from re-tokenizing the streamed
@@ -230,6 +230,10 @@ def run_pass(
         output_len_mismatches=sum(t.output_len != r.output_len for r, t in ok),
         client_wait_ms=summarize(
             [res.send_time - t.arrival for res, t in zip(results, timelines, strict=True)]
+        ),
+        # The server's share of TTFT: from the send, without the wait for a slot.
+        ttft_after_send_ms=summarize(
+            [res.chunk_times[0] - res.send_time for res in results if res.chunk_times]
         ),
         errors=dict(Counter(res.error for res in results if res.error).most_common(5)),
     )
