@@ -1019,3 +1019,25 @@ def reachable(url: str) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+# ---- pages in a real browser (Debian's chromium, driven by Playwright) --------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def launch_chromium(playwright):
+    """Headless chromium that reaches nothing on its own (no updates, sync or QUIC): any
+    request a page makes is the page's."""
+    return playwright.chromium.launch(
+        executable_path=CHROMIUM,
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+        ],
+    )

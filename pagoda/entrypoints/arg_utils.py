@@ -21,8 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=json.loads, default=default)
         elif isinstance(default, bool) or f.type == "bool | None":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif isinstance(default, tuple):  # a list of strings
-            parser.add_argument(flag, nargs="+", default=default)
+        elif isinstance(default, tuple):  # a list of strings; repeating the flag adds more
+            parser.add_argument(flag, nargs="+", action="extend", default=None)
         elif f.type == "str | None":
             parser.add_argument(flag, default=default)
         elif default is None:  # optional integers
@@ -34,7 +34,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_args_from(ns: argparse.Namespace):
     from pagoda.engine_args import EngineArgs
 
-    kwargs = {
-        f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)
-    }
+    kwargs = {}
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(ns, f.name, None)
+        # A list flag not given is None: the field's own default.
+        if hasattr(ns, f.name) and not (value is None and isinstance(f.default, tuple)):
+            kwargs[f.name] = value
     return EngineArgs(**kwargs)

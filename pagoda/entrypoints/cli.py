@@ -103,6 +103,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name",
         nargs="+",
+        action="extend",
         default=None,
         help="name(s) the API answers to (default: the MODEL argument, or "
         "SmolLM2-135M-Instruct for the default model)",
@@ -131,6 +132,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora-modules",
         nargs="+",
+        action="extend",
         default=None,
         metavar="NAME=PATH",
         help="LoRA adapters to serve (with --enable-lora), each as NAME=PATH or a JSON "
@@ -189,6 +191,38 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="replicas of the engine, each on its share of the cores, behind a prefix "
         "router on --host/--port (vLLM's name; see pagoda router)",
     )
+    many = parser.add_argument_group(
+        "many models",
+        "serve several models from this port, each loaded on its first request (any of "
+        "--models-dir, --model NAME=PATH or --stored-models)",
+    )
+    many.add_argument(
+        "--models-dir",
+        default=None,
+        metavar="DIR",
+        help="serve the GGUF files and HF folders in DIR, named by file stem or folder",
+    )
+    many.add_argument(
+        "--stored-models",
+        action="store_true",
+        help="serve the models already in the Hugging Face cache and Ollama's store, by "
+        "their names there (see pagoda models)",
+    )
+    many.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=4,
+        metavar="N",
+        help="most models loaded at once; the least recently used idle one is unloaded "
+        "for another (default: 4)",
+    )
+    many.add_argument(
+        "--keep-alive",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="unload a model idle this long (default: keep it until room is needed)",
+    )
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -244,9 +278,18 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.api_server import run_server
 
-    if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
-        raise ValueError(f"two models named: {ns.model_tag!r} and --model {ns.model!r}.")
-    ns.model = ns.model_tag or ns.model
+    if ns.model_tag is not None and len(ns.model or []) == 1 and ns.model_tag != ns.model[0]:
+        raise ValueError(f"two models named: {ns.model_tag!r} and --model {ns.model[0]!r}.")
+    named = ns.model or []
+    if ns.models_dir or ns.stored_models or len(named) > 1 or any("=" in m for m in named):
+        if ns.model_tag is not None:
+            raise ValueError(f"MODEL {ns.model_tag!r} with many models: name it --model NAME=PATH.")
+        if ns.data_parallel_size != 1:
+            raise ValueError("--data-parallel-size serves one model: not with many models.")
+        from pagoda.entrypoints.multi_model.app import run_model_host
+
+        return run_model_host(ns)
+    ns.model = ns.model_tag or (named[0] if named else None)
     engine_args = engine_args_from(ns)  # checked here, before any replica starts
     if ns.data_parallel_size != 1:
         from pagoda.entrypoints.data_parallel import run_data_parallel
@@ -254,6 +297,29 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         engine_args.verify()
         return run_data_parallel(ns, ns.argv)
     return run_server(ns, engine_args)
+
+
+def cmd_models(ns: argparse.Namespace) -> int:
+    import json
+
+    from pagoda.model_executor.model_catalog import catalog
+
+    models = catalog(ns.model, ns.models_dir, stored=True)
+    rows = [
+        {"name": e.name, "size_bytes": e.size_bytes, "source": e.source, "path": e.path}
+        for e in models.values()
+    ]
+    if ns.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print("no models found (--models-dir, the Hugging Face cache, Ollama's store)")
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        size = f"{r['size_bytes'] / (1 << 30):.2f} GiB"
+        print(f"{r['name']:<{width}}  {size:>10}  {r['source']:<10}  {r['path']}")
+    return 0
 
 
 def cmd_router(ns: argparse.Namespace) -> int:
@@ -306,10 +372,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)",
     )
-    serve.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    serve.add_argument(
+        "--model",
+        action="append",
+        metavar="PATH | NAME=PATH",
+        help="the model (as MODEL); repeated or as NAME=PATH: many models, see below",
+    )
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    models = sub.add_parser(
+        "models",
+        help="the models pagoda can serve by name: --models-dir, the Hugging Face cache, "
+        "Ollama's store",
+    )
+    models.add_argument("--models-dir", default=None, metavar="DIR")
+    models.add_argument("--model", action="append", metavar="NAME=PATH", help="also these")
+    models.add_argument("--json", action="store_true", help="one JSON list")
+    models.set_defaults(func=cmd_models)
     router = sub.add_parser(
         "router", help="one OpenAI endpoint routing by prompt prefix over several replicas"
     )

@@ -11,7 +11,10 @@ process with the same arguments:
 
 Either way the replicas end with this process, however it ends: SIGTERM first, and
 the kernel's PR_SET_PDEATHSIG if it dies (a replica's process is its launcher's
-child: this process's, or its actor's).
+child: this process's, or its actor's). A local replica that exits while this process
+serves is started again on its port and cores, after a backoff that doubles with each
+quick exit (`pagoda_router:replica_restarts` counts them); the router's next health
+check takes it back.
 """
 
 from __future__ import annotations
@@ -19,28 +22,36 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
-import httpx
-
+from pagoda.entrypoints.processes import (
+    free_port,
+    healthy,
+    pin_child,
+    stop_processes,
+    without_options,
+)
 from pagoda.entrypoints.router import RouterConfig, run_router
 from pagoda.ray_cluster import RAY_NAMESPACE, RAY_REPLICA_PREFIX, connect_ray
 
 logger = logging.getLogger(__name__)
 
 _REPLICA_STARTUP_S = 600  # a large model's load
+# A replica that exits is started again after a backoff: 1 s, doubling while it keeps
+# exiting within a minute of its start, at most 30 s.
+_RESTART_BACKOFF_S = (1.0, 30.0)
+_STABLE_S = 60.0
 
 
 def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
     """Start the replicas, wait until each is healthy, then run the router in front of
     them until SIGTERM (exit status 0) or a failure; the replicas stop with it."""
     n = ns.data_parallel_size
-    args = _without_options(argv, ("--data-parallel-size", "--port", "--host"))  # "serve" ...
+    args = without_options(argv, ("--data-parallel-size", "--port", "--host"))  # "serve" ...
     if ns.distributed_executor_backend == "ray":
         world = ns.tensor_parallel_size * ns.pipeline_parallel_size
         replicas = _RayReplicas(n, args, ns.num_threads, world)
@@ -50,7 +61,7 @@ def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
         urls = replicas.start()
         deadline = time.monotonic() + _REPLICA_STARTUP_S
         for i, url in enumerate(urls):
-            while not _healthy(url):
+            while not healthy(url):
                 if (code := replicas.exit_code(i)) is not None:
                     raise RuntimeError(f"replica {url} exited with {code}")
                 if time.monotonic() > deadline:
@@ -65,13 +76,15 @@ def run_data_parallel(ns: argparse.Namespace, argv: list[str]) -> int:
             port=ns.port,
             shutdown_timeout=ns.shutdown_timeout,
         )
-        return run_router(config)
+        on_start = getattr(replicas, "supervise", None)  # local replicas come back
+        return run_router(config, on_start=on_start)
     finally:
         replicas.stop(ns.shutdown_timeout + 15)
 
 
 class _LocalReplicas:
-    """Replicas as processes of this machine, each pinned to its share of the cores."""
+    """Replicas as processes of this machine, each pinned to its share of the cores;
+    one that exits is started again (`supervise`)."""
 
     def __init__(self, n: int, args: list[str], num_threads: int | None) -> None:
         cores = sorted(os.sched_getaffinity(0))
@@ -79,27 +92,77 @@ class _LocalReplicas:
             raise ValueError(f"data_parallel_size must be 1..{len(cores)} (the cores), got {n}.")
         self.n, self.args, self.num_threads, self.cores = n, args, num_threads, cores
         self.procs: list[subprocess.Popen] = []
+        self.commands: list[list[str]] = []
+        self.shares: list[list[int]] = []
+        self.urls: list[str] = []
+        self.started_at: list[float] = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # the supervisor's restarts against stop()
 
     def start(self) -> list[str]:
-        urls = []
         for i in range(self.n):
             share = self.cores[i * len(self.cores) // self.n : (i + 1) * len(self.cores) // self.n]
-            port = _free_port("127.0.0.1")
+            port = free_port("127.0.0.1")
             cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *self.args]
             cmd += ["--host", "127.0.0.1", "--port", str(port)]
             if self.num_threads is None:
                 cmd += ["--num-threads", str(len(share))]
-            proc = subprocess.Popen(cmd, preexec_fn=lambda share=share: _pin_child(share))
-            self.procs.append(proc)
-            urls.append(f"http://127.0.0.1:{port}")
-            logger.info("replica %d: pid %d on cores %s, %s", i, proc.pid, share, urls[-1])
-        return urls
+            self.commands.append(cmd)
+            self.shares.append(share)
+            self.urls.append(f"http://127.0.0.1:{port}")
+            self.procs.append(self._launch(i))
+            self.started_at.append(time.monotonic())
+            logger.info(
+                "replica %d: pid %d on cores %s, %s", i, self.procs[i].pid, share, self.urls[i]
+            )
+        return list(self.urls)
+
+    def _launch(self, i: int) -> subprocess.Popen:
+        return subprocess.Popen(self.commands[i], preexec_fn=lambda s=self.shares[i]: pin_child(s))
 
     def exit_code(self, i: int) -> int | None:
         return self.procs[i].poll()
 
+    def supervise(self, router) -> None:
+        """Watch the replicas while the router serves: one that exits is started again
+        (on its port and cores) after its backoff; restarts count in the router's
+        metrics."""
+        thread = threading.Thread(
+            target=self._watch, args=(router.metrics,), name="pagoda-replicas", daemon=True
+        )
+        thread.start()
+
+    def _watch(self, metrics) -> None:
+        backoff = [_RESTART_BACKOFF_S[0]] * self.n
+        due: list[float | None] = [None] * self.n  # when an exited replica starts again
+        while not self._stopping.wait(0.25):
+            now = time.monotonic()
+            for i, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is None:
+                    continue
+                if due[i] is None:
+                    if now - self.started_at[i] > _STABLE_S:
+                        backoff[i] = _RESTART_BACKOFF_S[0]
+                    due[i] = now + backoff[i]
+                    logger.warning(
+                        "replica %d (pid %d, %s) exited with status %s; starting it again "
+                        "in %.0f s", i, proc.pid, self.urls[i], code, backoff[i],
+                    )  # fmt: skip
+                    backoff[i] = min(2 * backoff[i], _RESTART_BACKOFF_S[1])
+                elif now >= due[i]:
+                    with self._lock:
+                        if self._stopping.is_set():
+                            return
+                        self.procs[i] = self._launch(i)
+                    self.started_at[i], due[i] = now, None
+                    metrics.replica_restarts.labels(self.urls[i]).inc()
+                    logger.info("replica %d: started again, pid %d", i, self.procs[i].pid)
+
     def stop(self, grace_s: float) -> None:
-        _stop_processes(self.procs, grace_s)
+        with self._lock:
+            self._stopping.set()
+        stop_processes(self.procs, grace_s)
 
 
 class ReplicaActor:
@@ -111,11 +174,11 @@ class ReplicaActor:
         import ray
 
         host = ray.util.get_node_ip_address()
-        port = _free_port(host)
+        port = free_port(host)
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
         cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *args]
         cmd += ["--host", host, "--port", str(port), "--num-threads", str(num_threads)]
-        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: _pin_child(None))
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: pin_child(None))
         self._url = f"http://{host}:{port}"
 
     def url(self) -> str:
@@ -125,7 +188,7 @@ class ReplicaActor:
         return self.proc.poll()
 
     def stop(self, grace_s: float) -> None:
-        _stop_processes([self.proc], grace_s)
+        stop_processes([self.proc], grace_s)
 
 
 class _RayReplicas:
@@ -180,52 +243,3 @@ class _RayReplicas:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
-
-
-def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _pin_child(cores: list[int] | None) -> None:
-    """In the replica's process before it runs: its cores, and SIGTERM when its
-    parent dies."""
-    import ctypes
-
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """argv without the options `names` (as `--name value` or `--name=value`)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif not any(arg.startswith(name + "=") for name in names):
-            out.append(arg)
-    return out

@@ -11,14 +11,15 @@ from pagoda import envs
 
 
 def resolve_model(model: str | None) -> tuple[str, bool]:
-    """(path, is_gguf) for a model name: None (the default), a folder or a .gguf file."""
+    """(path, is_gguf) for a model name: None (the default), a folder, a GGUF file, or
+    the name of a model the Hugging Face cache or Ollama's store holds."""
     if model is None:
         from pagoda.model_executor.default_model import default_model_path
 
         return default_model_path(), True
     if os.path.isfile(model):
-        if not model.endswith(".gguf"):
-            raise ValueError(f"model file {model!r} is not a .gguf file.")
+        if not is_gguf_file(model):
+            raise ValueError(f"model file {model!r} is not a GGUF file.")
         return model, True
     if os.path.isdir(model):
         if os.path.isfile(os.path.join(model, "config.json")):
@@ -27,9 +28,24 @@ def resolve_model(model: str | None) -> tuple[str, bool]:
         if len(ggufs) == 1:
             return os.path.join(model, ggufs[0]), True
         raise FileNotFoundError(f"model folder {model!r} has no config.json (nor one .gguf file).")
+    from pagoda.model_executor.model_catalog import find_stored
+
+    stored = find_stored(model)  # a name the HF cache or Ollama's store knows
+    if stored is not None:
+        return resolve_model(stored.path)
     raise FileNotFoundError(
-        f"model {model!r} is not a local folder or .gguf file (pagoda does not download from a hub)."
+        f"model {model!r} is not a local folder or GGUF file, nor a model of the Hugging "
+        "Face cache or Ollama's store (`pagoda models` lists them; pagoda does not download)."
     )
+
+
+def is_gguf_file(path: str) -> bool:
+    """By its magic, not its name: Ollama's store keeps GGUF files as sha256-<digest>."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def load_tokenizer(path: str, is_gguf: bool):

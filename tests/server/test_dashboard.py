@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -16,7 +15,7 @@ import pytest
 
 from pagoda import EngineArgs, LLMEngine, SamplingParams
 from pagoda.core.block_pool import CACHED, FREE, SHARED, USED
-from tests.helpers import RemoteServer
+from tests.helpers import CHROMIUM, RemoteServer, launch_chromium
 
 KEY = "dash-key"
 BLOCK_BYTES = 8192  # tiny llama: 2 layers x 2 x 16 tokens x 2 heads x 16 dims x 4 bytes
@@ -338,23 +337,7 @@ def test_dashboard_does_not_hold_up_shutdown(tiny_llama):
 
 # ---- the page, in a real browser -------------------------------------------------------
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 REQUIRE_BROWSER = os.environ.get("PAGODA_REQUIRE_BROWSER") == "1"
-
-
-def _launch(playwright):
-    return playwright.chromium.launch(
-        executable_path=CHROMIUM,
-        args=[
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-        ],
-    )
 
 
 def test_dashboard_in_a_browser(server, tmp_path):
@@ -366,7 +349,7 @@ def test_dashboard_in_a_browser(server, tmp_path):
     client = _client(server)
     model = server_model(server)
     with sync_api.sync_playwright() as p:
-        browser = _launch(p)
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
             requests_out = []

@@ -7,7 +7,9 @@ replicas and a real `pagoda router` on 127.0.0.1, driven by the official client.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 
 import httpx
@@ -18,6 +20,8 @@ from pagoda.entrypoints.router import Router, RouterConfig
 from pagoda.entrypoints.router.prefix_table import PrefixTable
 from pagoda.entrypoints.router.tokens import PromptTokenizer
 from tests.helpers import RemoteRouter, RemoteServer, free_port, reachable
+
+MODEL = "SmolLM2-135M-Instruct"
 
 # ---- the policy alone --------------------------------------------------------------------
 
@@ -306,6 +310,60 @@ def test_serve_data_parallel(tiny_llama):
         assert not any(reachable(u) for u in urls)  # no replica outlives the server
     finally:
         server.stop()
+
+
+def test_a_killed_replica_comes_back(gguf_path):
+    """A replica of `--data-parallel-size 2` killed (SIGKILL) under load: the stream it
+    served ends with an error event (not a broken connection), the other stream
+    finishes, and the replica is started again, counted, and serves again."""
+    server = RemoteServer(None, "--data-parallel-size", "2")  # SmolLM2: slow enough to kill
+    try:
+        client = server.client()
+        streams = [
+            client.completions.create(
+                model=MODEL, prompt=f"stream {i}", max_tokens=300, stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        for stream in streams:
+            next(iter(stream))  # both running, one on each replica (least loaded)
+        pid, url = _replica(server, 0)
+        os.kill(pid, signal.SIGKILL)
+        outcomes = []
+        for stream in streams:
+            try:
+                outcomes.append(("done", sum(1 for _ in stream)))
+            except openai.APIError as e:
+                outcomes.append(("error", str(e)))
+        assert sorted(kind for kind, _ in outcomes) == ["done", "error"], outcomes
+        assert "stopped before it ended" in next(m for k, m in outcomes if k == "error")
+
+        restarts = ("pagoda_router:replica_restarts_total", (("replica", url),))
+        healthy = ("pagoda_router:replica_healthy", (("replica", url),))
+        deadline = time.monotonic() + 120
+        while not (server.metrics().get(restarts) == 1 and server.metrics().get(healthy) == 1):
+            assert time.monotonic() < deadline, server.output()[-3000:]
+            time.sleep(0.5)
+        assert "exited with status -9; starting it again" in server.output()
+        assert reachable(url)
+        requests = ("pagoda_router:requests_total", (("replica", url),))
+        before = server.metrics()[requests]
+        for i in range(4):  # least loaded, ties going round: both replicas take some
+            client.completions.create(model=MODEL, prompt=f"again {i}", max_tokens=2)
+        assert server.metrics()[requests] > before
+        assert server.terminate() == 0
+    finally:
+        server.stop()
+
+
+def _replica(server: RemoteServer, i: int) -> tuple[int, str]:
+    """(pid, url) of replica `i` of a `--data-parallel-size` server, from its log."""
+    for line in server.output().splitlines():
+        if f"replica {i}: pid " in line:
+            words = line.split()
+            return int(words[words.index("pid") + 1]), words[-1]
+    raise AssertionError(server.output())
 
 
 def test_kv_events_follow_the_replicas_caches(tiny_llama):

@@ -47,13 +47,12 @@ from pagoda import __version__, envs
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagoda.entrypoints.anthropic.serving import AnthropicErrors, ServingMessages
+from pagoda.entrypoints.http_auth import DASHBOARD_COOKIE, APIKeyMiddleware
 from pagoda.entrypoints.http_server import Server
 from pagoda.entrypoints.openai.dashboard import DEFAULT_INTERVAL as DASHBOARD_INTERVAL
 from pagoda.entrypoints.openai.dashboard import DashboardFeed, dashboard_html
 from pagoda.entrypoints.openai.errors import APIError, bad_request, from_invalid, from_validation
 from pagoda.entrypoints.openai.http_parts import (
-    DASHBOARD_COOKIE,
-    APIKeyMiddleware,
     BodySizeLimitMiddleware,
     error_response,
     respond,
@@ -85,6 +84,7 @@ from pagoda.entrypoints.openai.serving_pooling import (
     ServingPooling,
 )
 from pagoda.entrypoints.openai.serving_responses import ServingResponses
+from pagoda.entrypoints.webui import add_chat_page
 from pagoda.errors import (
     EngineDeadError,
     EngineNotAcceptingError,
@@ -181,6 +181,7 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(AnthropicErrors)  # outermost: it reshapes the others' errors too
+    add_chat_page(app)
 
     @app.get("/health")
     async def health():

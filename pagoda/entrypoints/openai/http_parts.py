@@ -1,12 +1,11 @@
-"""The HTTP parts every route shares: the API key and body size middlewares, the
-server-sent events response, a request's trace headers, and cancelling work whose
+"""The HTTP parts every route shares: the body size middleware, the server-sent
+events response, a request's trace headers, and cancelling work whose
 client went away."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from collections.abc import Awaitable
 from typing import Any
 
@@ -35,48 +34,6 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
-
-
-DASHBOARD_COOKIE = "pagoda_api_key"
-
-
-# What the API key guards: the API, the dashboard, and which prefixes are cached.
-_PROTECTED = ("/v1", "/dashboard", "/kv_events")
-
-
-class APIKeyMiddleware:
-    """Every /v1, /dashboard and /kv_events route needs `Authorization: Bearer <key>`
-    (or Anthropic's `x-api-key: <key>`); a browser opening the dashboard gives the key
-    once as `?api_key=` (the page then keeps it in a cookie for its event stream). The
-    rest stay open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-        self.expected = b"Bearer " + self.api_key
-
-    def _authorized(self, scope) -> bool:
-        headers = dict(scope["headers"])
-        if secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
-            return True
-        if secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
-            return True  # Anthropic's clients send the key so
-        if not scope["path"].startswith("/dashboard"):
-            return False
-        request = Request(scope)
-        given = request.query_params.get("api_key") or request.cookies.get(DASHBOARD_COOKIE)
-        return given is not None and secrets.compare_digest(given.encode(), self.api_key)
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope["path"] if scope["type"] == "http" else ""
-        if path.startswith(_PROTECTED) and not self._authorized(scope):
-            response = error_response(
-                401, "Incorrect or missing API key.", "invalid_request_error",
-                code="invalid_api_key",
-            )  # fmt: skip
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 class BodySizeLimitMiddleware:

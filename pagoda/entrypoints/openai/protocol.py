@@ -350,6 +350,8 @@ class ModelCard(BaseModel):
     parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     tasks: list[str] | None = None  # pagoda's: what it serves (generate, embed, classify, score)
+    # What a prompt may hold: ["text"], or ["text", "image"] for a vision-language model.
+    input_modalities: list[str] | None = None
 
 
 class ModelList(BaseModel):

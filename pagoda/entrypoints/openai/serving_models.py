@@ -100,7 +100,15 @@ class ServingModels:
             parent=lora.base_model_name if lora is not None else None,
             max_model_len=self.engine.max_model_len,
             tasks=sorted(self.engine.model_config.tasks),
+            input_modalities=self.input_modalities,
         )
+
+    @property
+    def input_modalities(self) -> list[str]:
+        """What the model's prompts may hold (the processor takes images exactly when its
+        config has a vision tower)."""
+        vision = "vision_config" in self.engine.model_config.hf_config
+        return ["text", "image"] if vision else ["text"]
 
     async def load_lora_adapter(self, module: LoRAModulePath) -> LoRARequest:
         """Check the adapter (on the processor thread), have the engine read it (on its

@@ -16,30 +16,32 @@ import contextlib
 import functools
 import json
 import logging
+from collections.abc import Callable
 
 import httpx
 import prometheus_client as prom
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagoda import envs
 from pagoda.entrypoints.http_server import Server
+from pagoda.entrypoints.relay import (
+    RelayedResponse,
+    error,
+    error_code,
+    relayed_headers,
+    release,
+    request_headers,
+)
 from pagoda.entrypoints.router.config import RouterConfig
 from pagoda.entrypoints.router.policy import Router
 from pagoda.entrypoints.router.prefix_table import follow_kv_events
 from pagoda.entrypoints.router.replicas import Replica
 from pagoda.entrypoints.router.tokens import PromptTokenizer
+from pagoda.entrypoints.webui import add_chat_page
 
 logger = logging.getLogger(__name__)
-
-# Headers that belong to one hop, not to the request or response being relayed.
-_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
-
-
-def _error(status: int, message: str, type_: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status)
 
 
 def build_app(router: Router, health_check_interval: float | None = None) -> FastAPI:
@@ -115,12 +117,13 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
 
     app = FastAPI(title="pagoda router", lifespan=lifespan)
     app.state.router = router
+    add_chat_page(app)
 
     @app.get("/health")
     async def health():
         if any(r.healthy for r in router.replicas):
             return Response(status_code=200)
-        return _error(503, "no replica is up", "ServiceUnavailableError")
+        return error(503, "no replica is up", "ServiceUnavailableError")
 
     @app.get("/metrics")
     async def metrics():
@@ -135,6 +138,8 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
                 continue
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
                 r = await client.get(replica.url + "/v1/models", headers=auth, timeout=5.0)
+                if r.status_code == 401:  # the replicas' key: the caller's to give
+                    return Response(r.content, 401, relayed_headers(r))
                 for card in r.json()["data"]:
                     cards.setdefault(card["id"], card)
         return {"object": "list", "data": list(cards.values())}
@@ -148,7 +153,7 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
         hashes = (
             await asyncio.to_thread(router.block_hashes, body) if isinstance(body, dict) else []
         )
-        headers = {k: v for k, v in raw.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = request_headers(raw.headers)
         tried: set[Replica] = set()
         refused: Response | None = None  # the last replica's 503, if every one refused
         while True:
@@ -156,7 +161,7 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
             if replica is None:
                 if refused is not None:
                     return refused
-                return _error(503, "no replica could take the request", "ServiceUnavailableError")
+                return error(503, "no replica could take the request", "ServiceUnavailableError")
             tried.add(replica)
             replica.in_flight += 1
             # Recorded now, not once the replica answers: the same prefix arriving
@@ -173,22 +178,22 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
                     # Nothing started there: the replica is draining (a rolling
                     # update), dead, or its queue is full. Another one may take it.
                     body = await response.aread()
-                    refused = Response(body, 503, _relayed_headers(response))
-                    if _error_code(body) != "queue_full":
+                    refused = Response(body, 503, relayed_headers(response))
+                    if error_code(body) != "queue_full":
                         router.set_health(replica, False)
                     router.metrics.retries.inc()
-                    await _release(response, replica)
+                    await release(response, replica)
                     continue
             except httpx.TransportError as e:  # nothing came back: try another
-                await _release(response, replica)
+                await release(response, replica)
                 logger.warning("router: %s unreachable (%r); trying another", replica.url, e)
                 router.set_health(replica, False)
                 router.metrics.retries.inc()
                 continue
             except BaseException:  # cancelled (the caller left, or shutdown), or a bug
-                await _release(response, replica)
+                await release(response, replica)
                 raise
-            return RelayedResponse(response, replica)
+            return RelayedResponse(response, replica, path)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -215,48 +220,12 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
     return app
 
 
-def _relayed_headers(response: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
-
-
-def _error_code(body: bytes) -> str | None:
-    """The `code` of an OpenAI error body, if it is one."""
-    try:
-        return json.loads(body)["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-async def _release(response: httpx.Response | None, replica: Replica) -> None:
-    replica.in_flight -= 1
-    if response is not None:
-        await response.aclose()
-
-
-class RelayedResponse(StreamingResponse):
-    """The replica's response as it arrives. However it ends (the body done, the
-    caller gone before or while it streams, an error), the replica's connection is
-    closed, which aborts the request there, and the replica's in-flight count drops
-    exactly once."""
-
-    def __init__(self, response: httpx.Response, replica: Replica) -> None:
-        super().__init__(
-            response.aiter_raw(),
-            status_code=response.status_code,
-            headers=_relayed_headers(response),
-        )
-        self.upstream, self.replica = response, replica
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await _release(self.upstream, self.replica)
-
-
-def run_router(config: RouterConfig) -> int:
-    """Serve until SIGTERM (exit status 0)."""
+def run_router(config: RouterConfig, on_start: Callable[[Router], None] | None = None) -> int:
+    """Serve until SIGTERM (exit status 0). `on_start(router)`: called before serving
+    (`pagoda serve --data-parallel-size` watches its replicas from there)."""
     router = Router(config, PromptTokenizer.load(config.model))
+    if on_start is not None:
+        on_start(router)
     if router.replica_set.discover is not None:
         asyncio.run(router.replica_set.rediscover())
     logger.info(

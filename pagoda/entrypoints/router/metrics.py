@@ -40,6 +40,12 @@ class RouterMetrics:
         self.in_flight = prom.Gauge(
             "pagoda_router:replica_in_flight", "Requests in flight", labels, registry=registry
         )
+        self.replica_restarts = prom.Counter(
+            "pagoda_router:replica_restarts",
+            "Replicas of `pagoda serve --data-parallel-size` started again after they exited",
+            labels,
+            registry=registry,
+        )
         self._per_replica = (
             self.requests_total,
             self.prompt_blocks,
@@ -47,6 +53,7 @@ class RouterMetrics:
             self.healthy,
             self.in_flight,
             self.kv_event_batches,
+            self.replica_restarts,
         )
 
     def forget(self, url: str) -> None:
