@@ -88,6 +88,11 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     # With LoRA: the most adapters the running requests may use at once.
     max_loras: int | None = None
+    # Latency targets (ms) of every request that sets none of its own; with either set,
+    # the waiting queue runs by slack and requests that cannot meet theirs are refused
+    # (pagoda/core/deadlines.py). None: off.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 # Worker processes on this machine, or Ray actors on any host of a Ray cluster.

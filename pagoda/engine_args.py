@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
+from math import inf
 from typing import Any
 
 from pagoda.config import (
@@ -61,6 +62,12 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
+    # Serving to a deadline (see pagoda/core/deadlines.py): every request's targets for
+    # time to first token and time per output token, in ms, unless it sets its own. The
+    # waiting queue then runs by slack, and a request whose target cannot be met is
+    # refused at once (DeadlineUnmeetableError; 429 in the server). None: off.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     # A KV cache tier on disk (see pagoda.core.kv_tier): full prefix blocks that leave
     # memory are kept here, up to kv_offload_bytes, and read back on a prefix miss, across
     # restarts and by every server sharing the directory. None: off.
@@ -154,6 +161,14 @@ class EngineArgs:
         ):
             if getattr(self, name) is not None:
                 positive(name)
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < inf
+            ):
+                raise ValueError(
+                    f"{name} must be a positive number of milliseconds, got {value!r}."
+                )
         if self.kv_offload_dir is not None and not (
             isinstance(self.kv_offload_dir, str) and self.kv_offload_dir
         ):
@@ -250,6 +265,8 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,
                 speculative=spec,
                 max_loras=self.max_loras if self.enable_lora else None,
+                slo_ttft_ms=self.slo_ttft_ms,
+                slo_tpot_ms=self.slo_tpot_ms,
             ),
             limits=self._request_limits(),
             lora=self._lora_config(),

@@ -40,3 +40,16 @@ class QueueFullError(RuntimeError):
 
 class EngineNotAcceptingError(RuntimeError):
     """The engine is shutting down and takes no new requests."""
+
+
+class DeadlineUnmeetableError(ValueError):
+    """A request with a latency target (SLO) that the engine, by its measured step cost,
+    cannot meet now: refused before it was queued (load shedding). `param` names the
+    target ("slo_ttft_ms" or "slo_tpot_ms"); `retry_after`: whole seconds until it could
+    be met, by the same estimate. The server answers it with a 429 and Retry-After."""
+
+    def __init__(self, message: str, param: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after

@@ -77,6 +77,23 @@ _GAUGES: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
         "Prefix cache hits / queries, in tokens, since start.",
         lambda s: s.kv_cache.prefix_cache_hit_rate,
     ),
+    # The measured step cost that latency targets are checked against (core/deadlines.py).
+    "pagoda:step_cost_base_seconds": (
+        "Estimated fixed cost of a step (decode-only steps' least-squares intercept).",
+        lambda s: s.step_cost_base,
+    ),
+    "pagoda:step_cost_decode_row_seconds": (
+        "Estimated cost of each decode row in a step.",
+        lambda s: s.step_cost_per_decode_row,
+    ),
+    "pagoda:step_cost_prefill_token_seconds": (
+        "Estimated cost of each prefill token in a step.",
+        lambda s: s.step_cost_per_prefill_token,
+    ),
+    "pagoda:step_cost_prefill_stall_seconds": (
+        "Recent mean prefill time in steps that decode (what a decoding request waits).",
+        lambda s: s.step_cost_prefill_stall,
+    ),
 }
 # Cumulative in the engine; names without the _total suffix.
 _COUNTERS: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
@@ -128,6 +145,14 @@ class _EngineStatsCollector(Collector):
             yield from self._lora(stats.lora)
         if stats.kv_cache.tier is not None:
             yield from self._tier(stats.kv_cache)
+        refused = CounterMetricFamily(
+            "pagoda:request_slo_refused",
+            "Requests refused (429) as unable to meet their latency targets, by the target.",
+            labels=["model_name", "reason"],
+        )
+        refused.add_metric([self.model_name, "ttft"], float(stats.num_slo_refused_ttft))
+        refused.add_metric([self.model_name, "tpot"], float(stats.num_slo_refused_tpot))
+        yield refused
         kv = stats.kv_cache
         info = GaugeMetricFamily(
             "pagoda:cache_config_info",
@@ -262,6 +287,19 @@ class EngineMetrics:
         )
         for reason in ("stop", "length", "abort", "error"):  # present (at 0) from the start
             self._success.labels(model_name, reason, *([""] if lora_enabled else []))
+        # Goodput: finished requests with latency targets that met them, or which they
+        # missed (the first: ttft, then tpot). Aborted and failed ones count in neither.
+        self.slo_met = counter(
+            "pagoda:request_slo_met", "Finished requests that met their latency targets."
+        )
+        self._slo_missed = Counter(
+            "pagoda:request_slo_missed",
+            "Finished requests that missed a latency target, by the first missed.",
+            labelnames=["model_name", "reason"],
+            registry=self.registry,
+        )
+        for reason in ("ttft", "tpot"):
+            self._slo_missed.labels(model_name, reason)
         self.ttft = histogram(
             "pagoda:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         )
@@ -309,6 +347,12 @@ class EngineMetrics:
             self.e2e.observe(r.e2e_latency)
             if r.time_per_output_token is not None:
                 self.tpot.observe(r.time_per_output_token)
+            if r.slo is not None and r.finish_reason in ("stop", "length"):
+                missed = r.slo_missed
+                if missed is None:
+                    self.slo_met.inc()
+                else:
+                    self._slo_missed.labels(self.model_name, missed).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric in this registry."""

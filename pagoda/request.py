@@ -48,6 +48,32 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class SLO:
+    """A request's latency targets in milliseconds (None: no target): time to its first
+    token, and mean time per output token after it."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def or_defaults(self, defaults: SLO | None) -> SLO | None:
+        """Each target unset here taken from `defaults` (the server's); None if neither
+        sets any."""
+        defaults = defaults or SLO()
+        ttft = self.ttft_ms if self.ttft_ms is not None else defaults.ttft_ms
+        tpot = self.tpot_ms if self.tpot_ms is not None else defaults.tpot_ms
+        return None if ttft is None and tpot is None else SLO(ttft, tpot)
+
+    def missed(self, ttft: float | None, tpot: float | None) -> str | None:
+        """Which target a finished request missed, "ttft" before "tpot", given its TTFT
+        and TPOT in seconds (TPOT None: one token, nothing to miss); None if it met both."""
+        if self.ttft_ms is not None and (ttft is None or ttft * 1000 > self.ttft_ms):
+            return "ttft"
+        if self.tpot_ms is not None and tpot is not None and tpot * 1000 > self.tpot_ms:
+            return "tpot"
+        return None
+
+
 @dataclass(frozen=True, eq=False)
 class MultiModalFeature:
     """One image of a prompt: where its placeholder tokens sit and what fills them."""
@@ -76,10 +102,12 @@ class Request:
         trace_headers: dict[str, str] | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         pooling_params: PoolingParams | None = None,
+        slo: SLO | None = None,
     ) -> None:
         """With `pooling_params` the request computes its prompt, whole in one step, and
         returns what its hidden states pool into (an embedding, a score) instead of
-        tokens; its `sampling_params` are POOLING_SAMPLING."""
+        tokens; its `sampling_params` are POOLING_SAMPLING. `slo`: its latency targets,
+        the server's defaults filled in (None: none; see core/deadlines.py)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -103,6 +131,7 @@ class Request:
         self.trace_headers = trace_headers  # the caller's W3C trace context, if it sent one
         self.mm_features = mm_features or []  # its images, in prompt order
         self.pooling_params = pooling_params
+        self.slo = slo
 
     @property
     def grammar_active(self) -> bool:
@@ -145,6 +174,7 @@ class Request:
             self.trace_headers,
             self.mm_features,
             self.pooling_params,
+            self.slo,
         )
         copy.all_token_ids = list(self.all_token_ids)
         copy.first_scheduled_time = self.first_scheduled_time

@@ -1,4 +1,4 @@
-"""`pagoda bench throughput | latency | serve`."""
+"""`pagoda bench throughput | latency | serve | profile`."""
 
 from __future__ import annotations
 
@@ -54,6 +54,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     lat.add_argument("--output-json", default=None)
     add_engine_args(lat)
     lat.set_defaults(func=cmd_latency)
+
+    prof = bsub.add_parser(
+        "profile", help="fit the simulator's step cost model to this machine's engine steps"
+    )
+    prof.add_argument("--model", default=None)
+    prof.add_argument("--output-json", default="cost_model.json", help="where the model goes")
+    prof.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts")
+    prof.add_argument("--no-progress", action="store_true")
+    add_engine_args(prof)
+    prof.set_defaults(func=cmd_profile)
 
     try:
         from pagoda.bench.serve import add_serve_bench_args
@@ -166,6 +176,20 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
         report.write_json(ns.output_json, config, results)
     if ns.plot:
         report.plot_compare(ns.plot, results, f"{label}, {len(reqs)} requests, {dtype}")
+    return 0
+
+
+def cmd_profile(ns: argparse.Namespace) -> int:
+    from pagoda.bench.profile import profile
+
+    engine_kwargs = _engine_kwargs(ns)
+    model = profile(engine_kwargs, seed=ns.workload_seed, progress=not ns.no_progress)
+    model.to_json(ns.output_json)
+    fit = model.source
+    print(
+        f"{fit['steps']} steps fitted: mean error {100 * fit['mean_abs_error']:.1f}%, "
+        f"p90 {100 * fit['p90_abs_error']:.1f}%; written to {ns.output_json}"
+    )
     return 0
 
 

@@ -32,6 +32,10 @@ class StreamResult:
     prompt_tokens: int | None = None  # from the usage chunk, when the server sent one
     completion_tokens: int | None = None
     error: str | None = None
+    # A 429 (refused: a latency target it could not meet, or a rate limit), and when the
+    # server said to come back (its Retry-After, seconds).
+    refused: bool = False
+    retry_after: float | None = None
 
 
 def _error_message(body: str) -> str:
@@ -58,6 +62,9 @@ async def stream_request(client, url: str, payload: dict[str, Any], chat: bool) 
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {_error_message(body)}"
+                res.refused = resp.status_code == 429
+                with contextlib.suppress(TypeError, ValueError):
+                    res.retry_after = float(resp.headers.get("Retry-After"))
                 return res
             async for line in resp.aiter_lines():
                 now = time.perf_counter()

@@ -16,6 +16,7 @@ class RequestTimeline:
     prompt_len: int = 0
     output_len: int = 0  # tokens the request asked for (counted as useful)
     success: bool = True
+    refused: bool = False  # not successful: the server refused it at once (a 429)
     # Output tokens received, where one timestamp can stand for several (an HTTP
     # stream's chunk); None: one timestamp per token.
     num_tokens: int | None = None
@@ -60,7 +61,8 @@ def compute_metrics(
 ) -> dict[str, object]:
     """Throughputs, latency summaries (ms) and goodput over successful requests, and
     `per_request` lists (TTFT, TPOT, E2EL in ms; None for a failed request) in the
-    order of `timelines`."""
+    order of `timelines`. Every request is completed, refused (a 429: counted, never
+    good) or failed; `good` counts those that met the SLOs given."""
     ok = [t for t in timelines if t.success and t.token_times]
     output_tokens = sum(t.output_len for t in ok)
     prompt_tokens = sum(t.prompt_len for t in ok)
@@ -70,9 +72,12 @@ def compute_metrics(
         meets_ttft = slo_ttft_ms is None or t.ttft * 1000 <= slo_ttft_ms
         meets_tpot = slo_tpot_ms is None or t.tpot is None or t.tpot * 1000 <= slo_tpot_ms
         good += meets_ttft and meets_tpot
+    num_refused = sum(t.refused for t in timelines)
     return {
         "completed": len(ok),
-        "failed": len(timelines) - len(ok),
+        "refused": num_refused,
+        "failed": len(timelines) - len(ok) - num_refused,
+        "good": good,
         "duration_s": duration,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": output_tokens / duration if duration else 0.0,

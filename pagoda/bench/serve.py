@@ -16,7 +16,10 @@ Timing, all on the client's `perf_counter` clock:
   chunk, or, from a server that sends none, from re-tokenizing the streamed
   text. TPOT = (E2EL - TTFT) / (tokens - 1), as vLLM defines it;
 - a request fails on an HTTP error, an error event in the stream, a broken
-  connection or a timeout; failures are counted, never averaged in.
+  connection or a timeout; failures are counted, never averaged in. A 429 (a
+  server shedding what it cannot serve in time, e.g. pagoda with --slo-ttft-ms)
+  counts as `refused`, apart from the failures: never good, so goodput is over
+  every request sent.
 """
 
 from __future__ import annotations
@@ -219,6 +222,7 @@ def run_pass(
                 prompt_len=res.prompt_tokens or len(r.prompt_token_ids),
                 output_len=n or 0,
                 success=res.error is None,
+                refused=res.refused,
                 num_tokens=n,
             )
         )
@@ -235,7 +239,10 @@ def run_pass(
         ttft_after_send_ms=summarize(
             [res.chunk_times[0] - res.send_time for res in results if res.chunk_times]
         ),
-        errors=dict(Counter(res.error for res in results if res.error).most_common(5)),
+        errors=dict(
+            Counter(res.error for res in results if res.error and not res.refused).most_common(5)
+        ),
+        retry_after_s=summarize([r.retry_after for r in results if r.retry_after], scale=1.0),
     )
     if kv_usage:
         metrics.update(kv_usage=kv_usage, kv_usage_peak=max(u for _, u in kv_usage))
@@ -292,7 +299,8 @@ def _rate_text(rate: float) -> str:
 def format_serve_table(results: list[dict[str, Any]]) -> str:
     """One row per system and request rate (latencies in ms)."""
     header = (
-        f"{'system':<18}{'rate':>6}{'ok':>6}{'fail':>5}{'req/s':>8}{'out tok/s':>11}{'goodput':>9}"
+        f"{'system':<18}{'rate':>6}{'ok':>6}{'429':>5}{'fail':>5}{'req/s':>8}{'out tok/s':>11}"
+        f"{'goodput':>9}"
         f"{'TTFT mean':>11}{'p50':>8}{'p99':>8}{'TPOT mean':>11}{'p99':>8}{'ITL p99':>9}"
         f"{'E2EL mean':>11}{'p99':>8}"
     )
@@ -300,7 +308,8 @@ def format_serve_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         ttft, tpot, itl, e2el = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2el_ms"]
         lines.append(
-            f"{r['system']:<18}{r.get('request_rate', '')!s:>6}{r['completed']:>6}{r['failed']:>5}"
+            f"{r['system']:<18}{r.get('request_rate', '')!s:>6}{r['completed']:>6}"
+            f"{r.get('refused', 0):>5}{r['failed']:>5}"
             f"{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}{r['goodput']:>9.2f}"
             f"{ttft['mean']:>11.1f}{ttft['median']:>8.1f}{ttft['p99']:>8.1f}"
             f"{tpot['mean']:>11.2f}{tpot['p99']:>8.2f}{itl['p99']:>9.2f}"
@@ -375,6 +384,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for r in results:
         if r.get("errors"):
             print(f"{r['system']} rate {r['request_rate']}: errors {r['errors']}")
+        if r.get("refused"):
+            wait = r["retry_after_s"]["median"]
+            print(
+                f"{r['system']} rate {r['request_rate']}: {r['refused']} refused (429, never "
+                f"good), Retry-After median {wait:g} s"
+            )
         if r.get("kv_usage_peak") is not None:
             print(
                 f"{r['system']} rate {r['request_rate']}: KV cache peak {r['kv_usage_peak']:.1f}%"

@@ -9,6 +9,11 @@ running ones, so that the scheduler itself never asks which policy is on.
                request goes back to its place; the victim is the least
                important running request, and a more important waiting
                request may preempt running ones.
+    slack:     with latency targets on (core/deadlines.py), either policy orders
+               the waiting by slack instead of arrival: the latest time a request
+               may start and still meet its TTFT target, earliest first (after
+               priority, under the priority policy, which ranks running ones as
+               before).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagoda.request import Request
 
@@ -65,6 +70,11 @@ class RequestQueue(ABC):
         """Whether `waiting` may take the place of `running`. (fcfs: never.)"""
         return False
 
+    def ahead_of(self, request: Request) -> Iterator[Request]:
+        """The queued requests that would start before `request` were it added now
+        (fcfs: all of them)."""
+        return iter(self)
+
 
 class FCFSQueue(RequestQueue):
     def __init__(self) -> None:
@@ -89,19 +99,21 @@ class FCFSQueue(RequestQueue):
         return len(self._queue)
 
 
-def _rank(request: Request) -> tuple[int, float]:
+def _rank(request: Request) -> tuple[float, ...]:
     return request.priority, request.arrival_time
 
 
 class PriorityQueue(RequestQueue):
-    """A heap keyed by (priority, arrival time, insertion order); lower is served first."""
+    """A heap keyed by (rank, insertion order), lower served first; the rank is
+    (priority, arrival time), taken when a request is added."""
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+    def __init__(self, rank: Callable[[Request], tuple[float, ...]] = _rank) -> None:
+        self._rank = rank
+        self._heap: list[tuple[tuple[float, ...], int, Request]] = []
         self._order = itertools.count()
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (*_rank(request), next(self._order), request))
+        heapq.heappush(self._heap, (self._rank(request), next(self._order), request))
 
     prepend = add  # a preempted request keeps its rank, which puts it back in its place
 
@@ -118,7 +130,7 @@ class PriorityQueue(RequestQueue):
         heapq.heapify(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[-1] for entry in sorted(self._heap, key=lambda e: e[:3]))
+        return (entry[-1] for entry in sorted(self._heap, key=lambda e: e[:2]))
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -132,10 +144,42 @@ class PriorityQueue(RequestQueue):
     def may_preempt(self, waiting: Request, running: Request) -> bool:
         return waiting.priority < running.priority
 
+    def ahead_of(self, request: Request) -> Iterator[Request]:
+        rank = self._rank(request)  # a tie goes before it: it would be added last
+        return (entry[-1] for entry in self._heap if entry[0] <= rank)
 
-def create_request_queue(policy: str) -> RequestQueue:
-    """The queue for a scheduling policy ("fcfs" | "priority")."""
+
+class SlackQueue(PriorityQueue):
+    """Waiting by `latest_start(request)` (core/deadlines.py: its TTFT deadline less its
+    estimated prefill), then arrival; after priority when `by_priority`. The key is
+    taken when a request is added (a preempted one comes back with a fresh one), so
+    the order holds while the estimate moves: every waiting request's slack falls by
+    the same clock, and the estimate moves slowly."""
+
+    def __init__(self, latest_start: Callable[[Request], float], by_priority: bool) -> None:
+        def rank(r: Request) -> tuple[float, ...]:
+            key = (latest_start(r), r.arrival_time)
+            return (r.priority, *key) if by_priority else key
+
+        super().__init__(rank)
+        self.by_priority = by_priority
+
+    def order_running(self, running: list[Request]) -> None:
+        if self.by_priority:
+            super().order_running(running)
+
+    def may_preempt(self, waiting: Request, running: Request) -> bool:
+        return self.by_priority and super().may_preempt(waiting, running)
+
+
+def create_request_queue(
+    policy: str, latest_start: Callable[[Request], float] | None = None
+) -> RequestQueue:
+    """The queue for a scheduling policy ("fcfs" | "priority"); with `latest_start`
+    (latency targets on), ordered by slack within it."""
     queues = {"fcfs": FCFSQueue, "priority": PriorityQueue}
     if policy not in queues:
         raise ValueError(f"scheduling_policy must be one of {tuple(queues)}, got {policy!r}.")
+    if latest_start is not None:
+        return SlackQueue(latest_start, by_priority=policy == "priority")
     return queues[policy]()

@@ -4,11 +4,10 @@ Tokens, not phases: every request has `num_computed_tokens`; each step hands
 out new tokens under one budget (`max_num_batched_tokens`). A prompt chunk, a
 prefix-cache hit and a decode token are the same arithmetic.
 
-The scheduler owns the queues, each request's lifecycle, the budget, preemption
-(recompute or swap) and priority; features sit beside it. The encoder budget, LoRA
-admission and grammar admission are `SchedulerPart`s it calls at fixed points
-(`core/scheduler_part.py`); drafts (`core/drafts.py`), forks (`core/forks.py`) and
-beam search (`core/beams.py`) are parts it calls by name.
+The scheduler owns the queues, each request's lifecycle, the budget, preemption (recompute or
+swap) and priority; features sit beside it. The encoder budget, LoRA admission and grammar
+admission are `SchedulerPart`s it calls at fixed points (`core/scheduler_part.py`); drafts,
+forks, beam search and deadlines (the slack order, refusals) are parts it calls by name.
 """
 
 from __future__ import annotations
@@ -20,13 +19,14 @@ from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.beams import BeamSearch
+from pagoda.core.deadlines import Deadlines
 from pagoda.core.drafts import Drafts
 from pagoda.core.encoder_cache import EncoderBudget
 from pagoda.core.forks import Forks
 from pagoda.core.grammar_admission import GrammarAdmission
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.lora_admission import LoRAAdmission
-from pagoda.core.request_queue import RequestQueue, create_request_queue
+from pagoda.core.request_queue import create_request_queue
 from pagoda.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -65,7 +65,8 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.waiting: RequestQueue = create_request_queue(config.scheduling_policy)
+        self.deadlines = Deadlines(config)  # with latency targets: the slack order, refusals
+        self.waiting = create_request_queue(config.scheduling_policy, self.deadlines.slack)
         # The waiting queue's policy orders it; the request to preempt first is last.
         self.running: list[Request] = []
         # Requests first scheduled in this step -> when; reported once by update_from_output.
@@ -89,9 +90,10 @@ class Scheduler:
         self.beams = BeamSearch(config.max_model_len)
 
     def add_request(self, request: Request, fork_siblings: Iterable[Request] = ()) -> None:
-        """Queue a request. `fork_siblings` (same prompt and params) will share its
-        prompt's blocks instead of computing the prompt again."""
+        """Queue a request (DeadlineUnmeetableError, nothing queued, if it cannot meet its
+        latency targets). `fork_siblings` (same prompt and params) share its prompt's blocks."""
         siblings = list(fork_siblings)
+        self.deadlines.admit(request, self.waiting, self.running, 1 + len(siblings))
         if request.sampling_params.use_beam_search:  # the completions: its best beams
             request, siblings = self.beams.add([request, *siblings]), []
         for r in (request, *siblings):
@@ -425,22 +427,20 @@ class Scheduler:
         return self.drafts.propose(request, self.forks.token_limit(request), budget, slots)
 
     def _preempt_for_waiting(self, budget: int) -> list[str]:
-        """Preempt running requests that the best waiting one outranks (priority
-        policy) until its first chunk fits beside what the remaining running
-        requests need this step."""
+        """Preempt running requests that the best waiting one outranks (priority policy) until
+        its first chunk fits beside what the remaining running requests need this step."""
         if not self.waiting or not self.running or len(self.running) > self.config.max_num_seqs:
             return []
         best = self.waiting.peek()
         if not self._admits(best):
             return []  # it cannot start yet: preempting for it would gain nothing
         kv = self.kv_cache_manager
-        bs = kv.block_size
 
         def blocks_needed(r: Request) -> int:
             end = min(r.num_tokens, r.num_computed_tokens + budget)
-            return max(0, cdiv(end, bs) - kv.num_blocks_of(r.request_id))
+            return max(0, cdiv(end, kv.block_size) - kv.num_blocks_of(r.request_id))
 
-        needed = cdiv(min(best.num_tokens, budget), bs)
+        needed = cdiv(min(best.num_tokens, budget), kv.block_size)
         preempted = []
         while self.running:
             victim = self._last_preemptable()  # the least important

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.core.kv_tier import TierStats
 from pagoda.outputs import RequestMetrics
-from pagoda.request import Request, RequestStatus
+from pagoda.request import SLO, Request, RequestStatus
 
 if TYPE_CHECKING:
     from pagoda.core.scheduler import Scheduler
@@ -134,6 +134,14 @@ class SchedulerStats:
     # Images: lookups of a request's image in the encoder cache, and those found held.
     mm_cache_queries: int = 0
     mm_cache_hits: int = 0
+    # Requests refused as unable to meet their latency targets, by target, and the step
+    # cost estimate admission goes by (seconds; core/deadlines.py's StepCost).
+    num_slo_refused_ttft: int = 0
+    num_slo_refused_tpot: int = 0
+    step_cost_base: float = 0.0
+    step_cost_per_decode_row: float = 0.0
+    step_cost_per_prefill_token: float = 0.0
+    step_cost_prefill_stall: float = 0.0
 
     @property
     def num_preemptions(self) -> int:
@@ -191,6 +199,21 @@ class FinishedRequestStats:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0  # over all its completions
     trace_headers: dict[str, str] | None = None  # the caller's W3C trace context
+    slo: SLO | None = None  # its latency targets, if it had any
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        t = self.timeline
+        return (
+            None if t is None or t.first_token_time is None else t.first_token_time - t.arrival_time
+        )
+
+    @property
+    def slo_missed(self) -> str | None:
+        """The target it missed ("ttft", then "tpot"); None if it met them (or had none)."""
+        if self.slo is None:
+            return None
+        return self.slo.missed(self.time_to_first_token, self.time_per_output_token)
 
 
 @dataclass
@@ -234,6 +257,12 @@ def scheduler_stats(scheduler: Scheduler) -> SchedulerStats:
         else None,
         mm_cache_queries=scheduler.images.queries,
         mm_cache_hits=scheduler.images.hits,
+        num_slo_refused_ttft=scheduler.deadlines.num_refused["ttft"],
+        num_slo_refused_tpot=scheduler.deadlines.num_refused["tpot"],
+        step_cost_base=scheduler.deadlines.cost.base,
+        step_cost_per_decode_row=scheduler.deadlines.cost.per_decode_row,
+        step_cost_per_prefill_token=scheduler.deadlines.cost.per_prefill_token,
+        step_cost_prefill_stall=scheduler.deadlines.cost.prefill_stall,
     )
 
 

@@ -56,6 +56,7 @@ from pagoda.errors import EngineDeadError, EngineNotAcceptingError, QueueFullErr
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics import EngineMetrics
 from pagoda.outputs import RequestOutput
+from pagoda.request import SLO
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -181,20 +182,21 @@ class AsyncEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        slo: SLO | None = None,
     ) -> ProcessedRequest:
         """Check and tokenize a request on the processor thread. Raises
         InvalidRequestError (a ValueError naming the field) on bad input."""
         children, text = await self.run_in_processor(
             self.engine.processor.process,
-            request_id, prompt, params, priority, arrival_time, lora_request, trace_headers,
+            request_id, prompt, params, priority, arrival_time, lora_request, trace_headers, slo,
         )  # fmt: skip
         return ProcessedRequest(request_id, children, text)
 
     async def add_processed(self, requests: list[ProcessedRequest]) -> list[RequestStream]:
         """Queue checked requests, all or none (one operation for the engine thread);
         returns their streams once the engine has them. Raises QueueFullError,
-        EngineNotAcceptingError, EngineDeadError, or InvalidRequestError for a request
-        id already in use. Cancelling the caller aborts them."""
+        EngineNotAcceptingError, EngineDeadError, InvalidRequestError (a request id in use)
+        or DeadlineUnmeetableError (latency targets). Cancelling the caller aborts them."""
         self.check_capacity(len(requests))
         loop = asyncio.get_running_loop()
         streams = [
@@ -223,11 +225,12 @@ class AsyncEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        slo: SLO | None = None,
     ) -> RequestStream:
         """Check, tokenize and queue one request; returns its stream (see `add_processed`)."""
         self.check_capacity(1)
         processed = await self.process(
-            request_id, prompt, params, priority, time.monotonic(), lora_request, trace_headers
+            request_id, prompt, params, priority, time.monotonic(), lora_request, trace_headers, slo
         )
         (stream,) = await self.add_processed([processed])
         return stream
@@ -240,6 +243,7 @@ class AsyncEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        slo: SLO | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (of `params.output_kind`) until it finishes.
 
@@ -249,7 +253,7 @@ class AsyncEngine:
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
         stream = await self.add_request(
-            request_id, prompt, params, priority, lora_request, trace_headers
+            request_id, prompt, params, priority, lora_request, trace_headers, slo
         )
         try:
             async for output in stream:
@@ -429,7 +433,7 @@ class AsyncEngine:
                         request.request_id, request.children, request.prompt_text
                     )
                     added.append(request.request_id)
-            except Exception as e:  # a duplicate request id: the caller's error
+            except Exception as e:  # a duplicate request id, a deadline: the caller's error
                 error = e
                 self.engine.abort_request(added)  # all or none
             else:

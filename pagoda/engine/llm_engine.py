@@ -25,7 +25,7 @@ from pagoda.errors import EngineDeadError, InvalidRequestError
 from pagoda.lora.request import LoRARequest
 from pagoda.model_executor.model_files import load_tokenizer, weights_identity
 from pagoda.outputs import RequestOutput
-from pagoda.request import Request, RequestStatus
+from pagoda.request import SLO, Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.model_runner import ModelRunner
 
@@ -135,6 +135,7 @@ class LLMEngine:
             config.limits,
             self.lora_config,
             self.scheduler_config.max_num_batched_tokens,
+            SLO(self.scheduler_config.slo_ttft_ms, self.scheduler_config.slo_tpot_ms),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Objects with record(IterationStats), called after each step and abort (metrics).
@@ -146,6 +147,7 @@ class LLMEngine:
             self.scheduler, self.output_processor, self._steps_in_flight
         )
         self._loras_to_remove: set[int] = set()  # removed while requests still used them
+        self._step_started = time.monotonic()  # the step's wall time feeds the cost estimate
         logger.info(
             "pagoda engine: model %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens in flight, "
             "max_model_len %d",
@@ -210,6 +212,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> None:
         """Check and queue a request. Raises InvalidRequestError (a ValueError naming the
         field) on bad input, and then has queued nothing.
@@ -218,17 +222,22 @@ class LLMEngine:
         prompt's blocks; its RequestOutput carries n completions. With
         `lora_request` it runs under that adapter (the engine needs enable_lora).
         `trace_headers` (W3C `traceparent`/`tracestate`) parent its exported span.
+        `slo_ttft_ms`, `slo_tpot_ms`: its latency targets (default: the engine's); one
+        that cannot be met now raises DeadlineUnmeetableError (a ValueError), and nothing
+        is queued.
         """
         children, text = self.processor.process(
-            request_id, prompt, params, priority, arrival_time, lora_request, trace_headers
-        )
+            request_id, prompt, params, priority, arrival_time, lora_request, trace_headers,
+            SLO(slo_ttft_ms, slo_tpot_ms),
+        )  # fmt: skip
         self.add_processed_request(request_id, children, text)
 
     def add_processed_request(
         self, request_id: str, children: list[Request], prompt_text: str | None
     ) -> None:
         """Queue a request that `processor.process` has already checked (the async engine
-        runs the Processor on its own thread, then hands the result here)."""
+        runs the Processor on its own thread, then hands the result here). Raises
+        DeadlineUnmeetableError, having queued nothing, if it cannot meet its targets."""
         # The children's ids ("<id>#<i>") must be free too: "x" with n=2 would take "x#1".
         # An aborted request's id stays taken while a step of it is in flight (pipeline
         # parallel): that step's output must not reach a new request of the same id.
@@ -243,8 +252,8 @@ class LLMEngine:
         lora = children[0].lora_request
         if lora is not None:
             self.model_runner.lora_manager.check_identity(lora)
+        self.scheduler.add_request(children[0], fork_siblings=children[1:])  # may refuse it
         self.output_processor.add_request(request_id, children, prompt_text)
-        self.scheduler.add_request(children[0], fork_siblings=children[1:])
 
     def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
         """Abort requests by id, freeing their blocks; unknown ids are ignored. Returns
@@ -267,7 +276,7 @@ class LLMEngine:
         "error", its blocks freed) and the others go on. Raises EngineDeadError if
         the failure cannot be pinned on requests (every request of the step fails).
         """
-        scheduler_output = None
+        scheduler_output, self._step_started = None, time.monotonic()
         if self._pipeline_depth == 1:
             scheduler_output = self.scheduler.schedule()
         elif len(self._steps_in_flight) < self._pipeline_depth:
@@ -344,6 +353,9 @@ class LLMEngine:
         if self._loras_to_remove:
             self._remove_unused_loras()
         self._record(stats)
+        if not failures:  # (pipeline parallel: the wait for the oldest step, about one stage's)
+            took = time.monotonic() - self._step_started
+            self.scheduler.deadlines.record_step(scheduler_output, took)
         return outputs + progressed
 
     def _fail_grammars(self, failures: dict[str, str]) -> list[RequestOutput]:

@@ -32,7 +32,7 @@ from pagoda.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagoda.request import Request
+from pagoda.request import SLO, Request
 from pagoda.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class RequestState:
     pooling: str | None = None
     pooled: Any = None
     ended: bool = False  # aborted or failed
+    slo: SLO | None = None  # its latency targets (the goodput metrics read them)
 
     @property
     def finished(self) -> bool:
@@ -191,6 +192,7 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=sum(c.num_preemptions for c in self.completions),
             trace_headers=self.trace_headers,
+            slo=self.slo,
         )
 
 
@@ -246,6 +248,7 @@ class OutputProcessor:
             lora_request=first.lora_request,
             trace_headers=first.trace_headers,
             pooling=pooling,
+            slo=first.slo,
         )
 
     def process_outputs(

@@ -25,7 +25,16 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pagoda.checks import INT64_MAX, INT64_MIN, check_bool, check_int, check_text, fail, show
+from pagoda.checks import (
+    INT64_MAX,
+    INT64_MIN,
+    check_bool,
+    check_int,
+    check_real,
+    check_text,
+    fail,
+    show,
+)
 from pagoda.config import LoRAConfig, ModelConfig, RequestLimits
 from pagoda.engine.chat import ChatRenderer
 from pagoda.engine.pooling import PoolingInputs
@@ -33,7 +42,7 @@ from pagoda.engine.reasoning import THINK_CLOSE, prompt_state
 from pagoda.engine.validation import RequestValidator, check_trace_headers
 from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
-from pagoda.request import MultiModalFeature, Request
+from pagoda.request import SLO, MultiModalFeature, Request
 from pagoda.sampling_params import SamplingParams
 
 # str | {"prompt": str, "multi_modal_data"?: {"image": image | [image]}}
@@ -50,6 +59,8 @@ PROMPT_FORMS = (
 # A chat message's content parts: text, and for vision-language models images (OpenAI's
 # image_url with a data: URI or an allowed URL; vLLM's image_pil with a PIL image).
 
+MAX_SLO_MS = 86_400_000.0  # a latency target of a day at most
+
 
 class Processor:
     def __init__(
@@ -60,11 +71,14 @@ class Processor:
         limits: RequestLimits | None = None,
         lora_config: LoRAConfig | None = None,
         max_num_batched_tokens: int | None = None,
+        slo_defaults: SLO | None = None,
     ) -> None:
+        """`slo_defaults`: the engine's latency targets, for requests that set none."""
         self.tokenizer = copy.deepcopy(tokenizer)  # never shared with the engine thread
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.limits = limits or RequestLimits()
+        self.slo_defaults = slo_defaults
         self.images = None  # a vision-language model's image processor
         if "vision_config" in model_config.hf_config:
             from pagoda.multimodal import ImageInputProcessor
@@ -104,17 +118,20 @@ class Processor:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        slo: SLO | None = None,
     ) -> tuple[list[Request], str | None]:
         """Check and tokenize a request. Returns (one Request per completion, the prompt
         text if it had one). Child i of a request with n > 1 has id "<request_id>#<i>"
         and, if seeded, seed + i. `trace_headers`: the caller's W3C trace context
         (`traceparent`, `tracestate`), the parent of the request's span when traces
-        are exported. With PoolingParams, its one Request pools (engine/pooling.py).
+        are exported. `slo`: its latency targets, each unset one the engine's (a pooling
+        request has none). With PoolingParams, its one Request pools (engine/pooling.py).
         Raises InvalidRequestError naming the field."""
         check_text(request_id, "request_id", 256)
         if not request_id:
             fail("request_id", "must not be empty")
         check_int(priority, "priority", INT64_MIN, INT64_MAX)
+        slo = self._slo(slo or SLO())
         if lora_request is not None:
             self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
@@ -149,9 +166,17 @@ class Processor:
                     lora_request,
                     trace_headers,
                     features,
+                    slo=slo,
                 )  # fmt: skip
             )
         return children, text
+
+    def _slo(self, slo: SLO) -> SLO | None:
+        """The request's own targets, checked, with the engine's filling the gaps."""
+        for name, value in (("slo_ttft_ms", slo.ttft_ms), ("slo_tpot_ms", slo.tpot_ms)):
+            if value is not None:
+                check_real(value, name, 0.0, MAX_SLO_MS, lo_open=True)
+        return slo.or_defaults(self.slo_defaults)
 
     def _reasons(self, text: str | None, token_ids: list[int]) -> bool:
         """Whether reasoning may come before the answer: the prompt did not close it."""

@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs="+", action="extend", default=None)
         elif f.type == "str | None":
             parser.add_argument(flag, default=default)
+        elif f.type == "float | None":
+            parser.add_argument(flag, type=float, default=default)
         elif default is None:  # optional integers
             parser.add_argument(flag, type=int, default=default)
         else:

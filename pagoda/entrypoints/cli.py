@@ -262,7 +262,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--balance-threshold",
         type=int,
-        default=16,
+        default=64,
         help="in-flight difference past which the least loaded replica wins (prefix policy)",
     )
     parser.add_argument("--prefix-table-size", type=int, default=1 << 20, help="blocks kept")
@@ -397,9 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(func=cmd_router)
     from pagoda.bench.cli import register as register_bench
     from pagoda.eval.cli import register as register_eval
+    from pagoda.sim.cli import register as register_sim
 
     register_bench(sub)
     register_eval(sub)
+    register_sim(sub)
     return parser
 
 

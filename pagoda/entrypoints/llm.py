@@ -57,9 +57,14 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in input order.
-        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt.
+        `slo_ttft_ms`, `slo_tpot_ms`: every prompt's latency targets (default: the
+        engine's); if one cannot be met, DeadlineUnmeetableError (a ValueError) is raised
+        and none runs."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -83,6 +88,8 @@ class LLM:
                     params,
                     priority[i] if priority else 0,
                     lora_request=loras[i],
+                    slo_ttft_ms=slo_ttft_ms,
+                    slo_tpot_ms=slo_tpot_ms,
                 )
                 request_ids.append(request_id)
         except Exception:

@@ -127,6 +127,15 @@ def test_goodput(slo_ttft_ms, slo_tpot_ms, num_good):
     assert m["request_throughput"] == approx(3 / 4.0)  # SLOs never change throughput
 
 
+def test_refused_requests_are_counted_and_never_good():
+    """A 429 (a server shedding load) is neither completed nor a failure, and not good."""
+    refused = [RequestTimeline(2.0, [], success=False, refused=True) for _ in range(3)]
+    m = compute_metrics(_timelines() + refused, 4.0, slo_ttft_ms=300)
+    assert (m["completed"], m["refused"], m["failed"], m["good"]) == (3, 3, 2, 2)
+    assert m["goodput"] == approx(2 / 4.0)
+    assert m["per_request"]["ttft_ms"][-3:] == [None, None, None]
+
+
 def test_compute_metrics_all_failed_and_zero_duration():
     m = compute_metrics([RequestTimeline(0.0, [], success=False)], duration=0.0)
     assert m["completed"] == 0 and m["failed"] == 1

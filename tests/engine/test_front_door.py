@@ -13,7 +13,7 @@ import functools
 import pytest
 
 from pagoda import EngineArgs, LLMEngine, SamplingParams
-from pagoda.errors import InvalidRequestError
+from pagoda.errors import DeadlineUnmeetableError, InvalidRequestError
 
 VOCAB = 400  # the tiny models' vocabulary size
 SURROGATE = "ok \ud800 no"
@@ -224,6 +224,30 @@ def test_request_id_and_priority(engine):
         with pytest.raises(InvalidRequestError) as e:
             engine.add_request("p", "Hello", SamplingParams(), priority=priority)
         assert e.value.param == "priority"
+
+
+@pytest.mark.parametrize(
+    "param, value",
+    [("slo_ttft_ms", 0), ("slo_ttft_ms", -1.0), ("slo_tpot_ms", float("nan")),
+     ("slo_tpot_ms", "5"), ("slo_ttft_ms", True), ("slo_tpot_ms", 1e30)],
+)  # fmt: skip
+def test_bad_latency_targets_are_refused_by_name(engine, param, value):
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("s", "Hello", SamplingParams(), **{param: value})
+    assert e.value.param == param
+
+
+def test_a_target_that_cannot_be_met_is_refused_at_once(engine):
+    """The engine has no targets of its own; a request's are checked against its measured
+    steps: none is that fast. A ValueError naming the target, nothing queued."""
+    _serves(engine)  # a measured step
+    with pytest.raises(DeadlineUnmeetableError) as e:
+        engine.add_request("s", "Hello", SamplingParams(), slo_ttft_ms=1e-6)
+    assert isinstance(e.value, ValueError) and e.value.param == "slo_ttft_ms"
+    assert e.value.retry_after >= 1 and not engine.has_unfinished_requests()
+    engine.add_request("s", "Hello", SamplingParams(max_tokens=2), slo_ttft_ms=60_000)
+    assert engine.scheduler.requests["s"].slo.ttft_ms == 60_000
+    engine.abort_request("s")
 
 
 def test_child_ids_must_be_free_too(engine):

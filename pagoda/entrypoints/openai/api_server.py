@@ -11,8 +11,9 @@ Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
 400 for bad input (malformed JSON, unknown or mistyped fields, values the
 engine's front door refuses, a prompt too long), 401 without the API key on
 /v1, /dashboard and /kv_events, 404 for an unknown model or route, 413 for a body over
-`max_request_body_bytes`, 503 (with Retry-After) when the queue is full or the
-server is stopping. A client that goes away aborts its requests. A request that
+`max_request_body_bytes`, 429 (with Retry-After) for a request that cannot meet its
+latency targets (`--slo-ttft-ms`, `--slo-tpot-ms` or its own), 503 (with Retry-After)
+when the queue is full or the server is stopping. A client that goes away aborts its requests. A request that
 fails while running fails alone (400 if its input was the cause, else 500; in a
 stream, an error event).
 
@@ -86,6 +87,7 @@ from pagoda.entrypoints.openai.serving_pooling import (
 from pagoda.entrypoints.openai.serving_responses import ServingResponses
 from pagoda.entrypoints.webui import add_chat_page
 from pagoda.errors import (
+    DeadlineUnmeetableError,
     EngineDeadError,
     EngineNotAcceptingError,
     InvalidRequestError,
@@ -119,6 +121,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def queue_full(_: Request, e: QueueFullError):
         headers = {"Retry-After": str(e.retry_after)}
         return error_response(503, str(e), "ServiceUnavailableError", None, "queue_full", headers)
+
+    @app.exception_handler(DeadlineUnmeetableError)
+    async def deadline_unmeetable(_: Request, e: DeadlineUnmeetableError):
+        headers = {"Retry-After": str(e.retry_after)}
+        return error_response(429, str(e), "RateLimitError", e.param, "slo_unmeetable", headers)
 
     @app.exception_handler(EngineNotAcceptingError)
     async def not_accepting(_: Request, e: EngineNotAcceptingError):

@@ -101,6 +101,10 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    # Latency targets in ms (pagoda's; the server's --slo-* by default): the request is
+    # refused with a 429 if it cannot meet them.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None

@@ -62,6 +62,7 @@ from pagoda.entrypoints.openai.serving_engine import OpenAIServing, StreamUsage,
 from pagoda.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagoda.multimodal import allowed_remote_images, fetch_image_bytes
 from pagoda.outputs import CompletionOutput
+from pagoda.request import SLO
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -225,8 +226,9 @@ class OpenAIServingChat(OpenAIServing):
             prompt["chat_template_kwargs"] = req.chat_template_kwargs
         await self.fetch_images(prompt["messages"])
         response_id = random_id("chatcmpl")
+        slo = SLO(req.slo_ttft_ms, req.slo_tpot_ms)
         (stream,) = await super().start(
-            response_id, [prompt], params, req.priority, renames, lora_request, trace_headers
+            response_id, [prompt], params, req.priority, renames, lora_request, trace_headers, slo
         )
         names = tool_names(tools) if tools else None
         reasoning = self.engine.model_config.reasoning_parser is not None

@@ -31,6 +31,7 @@ from pagoda.entrypoints.openai.serving_engine import (
 )
 from pagoda.errors import EngineDeadError, RequestFailedError
 from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.request import SLO
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class OpenAIServingCompletion(OpenAIServing):
             renames,
             lora_request,
             trace_headers,
+            SLO(req.slo_ttft_ms, req.slo_tpot_ms),
         )
         return CompletionRun(req, response_id, model, params, streams)
 

@@ -40,6 +40,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.errors import InvalidRequestError
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagoda.request import SLO
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -310,11 +311,13 @@ class OpenAIServing:
         renames: dict[str, str] | None = None,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        slo: SLO | None = None,
     ) -> list[RequestStream]:
         """One engine request per prompt, all or nothing: every prompt goes through the
         front door on the processor thread (a bad one is a 400 naming its field), then
-        all are queued in one operation. `trace_headers`: the HTTP request's W3C trace
-        context, the parent of each request's span."""
+        all are queued in one operation (or all refused: DeadlineUnmeetableError, a 429).
+        `trace_headers`: the HTTP request's W3C trace context, the parent of each
+        request's span. `slo`: the body's latency targets (vLLM-style extra fields)."""
         self.engine.check_capacity(len(prompts))
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         arrival = time.monotonic()
@@ -324,8 +327,9 @@ class OpenAIServing:
             out = []
             for request_id, prompt in zip(ids, prompts, strict=True):
                 children, text = self.processor.process(
-                    request_id, prompt, params, priority, arrival, lora_request, trace_headers
-                )
+                    request_id, prompt, params, priority, arrival, lora_request, trace_headers,
+                    slo,
+                )  # fmt: skip
                 out.append(ProcessedRequest(request_id, children, text))
             return out
 
