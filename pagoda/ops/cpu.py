@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 
 import torch
 
@@ -47,16 +48,36 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
+# A build interrupted (Ctrl-C on the first start) leaves torch's lock file behind, and
+# every later build waits on it forever; a build takes minutes, so an older lock is stale.
+_STALE_LOCK_S = 15 * 60
+
+
+def remove_stale_lock(build_dir: str) -> bool:
+    lock = os.path.join(build_dir, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) < _STALE_LOCK_S:
+            return False
+        os.remove(lock)
+    except OSError:  # no lock (the usual case), or removed meanwhile
+        return False
+    logger.warning("removed a stale lock left by an interrupted kernel build: %s", lock)
+    return True
+
+
 @functools.cache
 def load():
     """The compiled module (decode attention, small-M GEMM, fused norm and rotary),
     or None if it cannot be built."""
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
+        name = f"pagoda_cpu_kernels_{_cpu_tag()}"
+        remove_stale_lock(_get_build_directory(name, verbose=False))
         logger.info("Building pagoda's CPU kernels (first use only; cached afterwards)...")
         return load_extension(
-            name=f"pagoda_cpu_kernels_{_cpu_tag()}",
+            name=name,
             sources=_SOURCES,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++20"],
             extra_ldflags=["-fopenmp"],

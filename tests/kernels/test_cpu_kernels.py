@@ -107,3 +107,20 @@ def test_bf16_linear_pads_rows_to_a_few_shapes():
         exact = torch.nn.functional.linear(x.double(), w.double())
         assert got.shape == (m, 96)
         torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-2)
+
+
+def test_a_stale_build_lock_is_removed(tmp_path):
+    """An interrupted first build leaves torch's lock behind; a later start must not
+    wait on it forever, nor take a fresh one from a build still running."""
+    import os
+    import time
+
+    from pagoda.ops.cpu import remove_stale_lock
+
+    lock = tmp_path / "lock"
+    assert not remove_stale_lock(str(tmp_path))  # none: nothing to do
+    lock.write_text("")
+    assert not remove_stale_lock(str(tmp_path)) and lock.exists()  # a build running now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert remove_stale_lock(str(tmp_path)) and not lock.exists()
