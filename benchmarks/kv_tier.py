@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from pagoda.bench.report import cpu_name
+
 PROMPT_TOKENS = 3000
 GREEDY_TOKENS = 32
 
@@ -195,7 +197,7 @@ def main() -> None:
                 {
                     "command": "python benchmarks/kv_tier.py " + " ".join(sys.argv[1:]),
                     "machine": platform.processor() or platform.machine(),
-                    "cpu": _cpu_name(),
+                    "cpu": cpu_name(),
                     "model": args.model,
                     "restart": restart,
                     "decode_while_writing": decode,
@@ -203,14 +205,6 @@ def main() -> None:
                 f,
                 indent=1,
             )
-
-
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -30,21 +29,8 @@ import time
 
 import httpx
 
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagoda.bench.report import cpu_name
+from pagoda.entrypoints.processes import free_port, wait_healthy
 
 
 def main() -> None:
@@ -98,7 +84,7 @@ def main() -> None:
 
     out = {
         "command": "python " + " ".join(sys.argv),
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
         "workload": {
             "name": "shared-prefix",
             "num_requests": args.num_requests,
@@ -124,21 +110,12 @@ def _serve(cli: list[str], reqs, tokenizer, desc: str) -> dict:
     """`reqs` through a fresh `pagoda serve --data-parallel-size 2` (caches empty)."""
     from pagoda.bench.serve import make_payloads, run_pass
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([*cli, "serve", "--data-parallel-size", "2", "--port", str(port),
                                "--disable-uvicorn-access-log"])  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.5)
+        wait_healthy(url, server)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         payloads = make_payloads(reqs, tokenizer, "/v1/completions", model, True, None)
         time.sleep(3)  # the router's health check has seen both replicas

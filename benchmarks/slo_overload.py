@@ -29,13 +29,13 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 
 from pagoda.bench.report import machine_info, versions
 from pagoda.bench.serve import make_payloads, run_pass
 from pagoda.bench.workloads import assign_poisson_arrivals, make_workload
+from pagoda.entrypoints.processes import wait_healthy
 from pagoda.model_executor.model_files import load_tokenizer, resolve_model
 
 CLI = [sys.executable, "-m", "pagoda.entrypoints.cli"]
@@ -48,17 +48,8 @@ def start(args: list[str]) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagoda serve {args} exited with {proc.returncode}")
-        time.sleep(0.5)
-    raise RuntimeError(f"pagoda serve {args} not ready")
+    wait_healthy(f"http://127.0.0.1:{PORT}", proc)
+    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:

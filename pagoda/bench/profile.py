@@ -16,6 +16,7 @@ import platform
 import random
 import time
 
+from pagoda.bench.report import cpu_name
 from pagoda.core.step_shape import StepShape
 from pagoda.sim.cost_model import StepCostModel
 
@@ -103,17 +104,6 @@ def profile(engine_kwargs: dict, seed: int = 0, progress: bool = True) -> StepCo
         "model": engine.model_config.path,
         "engine": {k: v for k, v in engine_kwargs.items() if v is not None},
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
     }
     return StepCostModel.fit(shapes, seconds, source)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()

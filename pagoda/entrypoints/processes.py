@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 
 import httpx
 
@@ -45,6 +46,19 @@ def healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    """Until the server `proc` runs answers on `url`/health; RuntimeError if it exits
+    first or takes longer than `timeout_s` (then it is killed)."""
+    deadline = time.monotonic() + timeout_s
+    while not healthy(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{proc.args} not ready in {timeout_s:.0f} s")
+        time.sleep(0.5)
 
 
 def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:

@@ -31,10 +31,23 @@ class Upstream(Protocol):
     in_flight: int
 
 
+def error_body(message: str, type_: str, code: str | None = None) -> dict:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
 def error(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
     """OpenAI's error body, for what the relaying process itself answers."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, type_, code), status_code=status)
+
+
+def json_body(content: bytes) -> dict | None:
+    """A request body as the JSON object it should be, or None."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def request_headers(headers) -> dict[str, str]:
@@ -59,20 +72,16 @@ async def release(response: httpx.Response | None, upstream: Upstream) -> None:
         await response.aclose()
 
 
-def cut_stream_event(path: str) -> bytes:
-    """The last event of a stream whose server went away, in the route's API."""
-    message = "the server of this stream stopped before it ended; try again"
+def stream_error(path: str, body: dict) -> bytes:
+    """An error event inside a stream that has already answered 200, in the route's API
+    (Anthropic's `error` event on /v1/messages); `body` is an error body with
+    `error.message` (OpenAI's, or Anthropic's)."""
     if path.startswith("/v1/messages"):
-        body = {"type": "error", "error": {"type": "api_error", "message": message}}
-        return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
-    body = {
-        "error": {
-            "message": message,
-            "type": "ServiceUnavailableError",
-            "param": None,
-            "code": "upstream_lost",
+        anthropic = {
+            "type": "error",
+            "error": {"type": "api_error", "message": body["error"]["message"]},
         }
-    }
+        return f"event: error\ndata: {json.dumps(anthropic)}\n\n".encode()
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
@@ -92,7 +101,8 @@ async def relay_body(response: httpx.Response, path: str, url: str) -> AsyncIter
                 pending = pending[end:]
     except httpx.TransportError as e:
         logger.warning("relay: %s stopped mid-stream (%r); the stream ends with an error", url, e)
-        yield cut_stream_event(path)
+        message = "the server of this stream stopped before it ended; try again"
+        yield stream_error(path, error_body(message, "ServiceUnavailableError", "upstream_lost"))
 
 
 class RelayedResponse(StreamingResponse):

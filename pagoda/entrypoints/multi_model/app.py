@@ -30,9 +30,12 @@ from pagoda.entrypoints.processes import without_options
 from pagoda.entrypoints.relay import (
     RelayedResponse,
     error,
+    error_body,
+    json_body,
     relay_body,
     release,
     request_headers,
+    stream_error,
 )
 from pagoda.entrypoints.webui import add_chat_page
 from pagoda.model_executor.model_catalog import catalog
@@ -53,21 +56,14 @@ _HOST_FLAGS = (
 )  # fmt: skip
 
 
+def _kind(e: LoadError) -> str:
+    return {400: "invalid_request_error", 404: "NotFoundError"}.get(
+        e.status, "ServiceUnavailableError"
+    )
+
+
 def _load_error(e: LoadError) -> Response:
-    kind = {400: "invalid_request_error", 404: "NotFoundError"}.get(e.status)
-    return error(e.status, e.message, kind or "ServiceUnavailableError", e.code)
-
-
-def _stream_error(path: str, body: dict) -> bytes:
-    """An error event inside a stream that has already answered 200, in the route's
-    API; `body` is OpenAI's error body."""
-    if path.startswith("/v1/messages"):
-        anthropic = {
-            "type": "error",
-            "error": {"type": "api_error", "message": body["error"]["message"]},
-        }
-        return f"event: error\ndata: {json.dumps(anthropic)}\n\n".encode()
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    return error(e.status, e.message, _kind(e), e.code)
 
 
 def build_app(host: ModelHost, api_key: str | None = None) -> FastAPI:
@@ -172,14 +168,15 @@ def build_app(host: ModelHost, api_key: str | None = None) -> FastAPI:
                 waiting.result()
                 response = await send(model, path, raw, content)
             except LoadError as e:
-                yield _stream_error(path, json.loads(_load_error(e).body))
+                yield stream_error(path, error_body(e.message, _kind(e), e.code))
                 return
             if response.status_code != 200:  # refused: its error, as an event
                 body = await response.aread()
                 try:
-                    yield _stream_error(path, json.loads(body))
-                except (ValueError, KeyError, TypeError):
-                    yield _stream_error(path, {"error": {"message": body.decode(errors="replace")}})
+                    event = stream_error(path, json.loads(body))
+                except (ValueError, KeyError, TypeError):  # not an error body
+                    event = stream_error(path, error_body(body.decode(errors="replace"), "error"))
+                yield event
                 return
             async for chunk in relay_body(response, path, model.url):
                 yield chunk
@@ -190,14 +187,11 @@ def build_app(host: ModelHost, api_key: str | None = None) -> FastAPI:
 
     async def relay(path: str, raw: Request):
         content = await raw.body()
-        try:
-            body = json.loads(content)
-        except ValueError:
-            body = None
-        model = host.get(body.get("model") if isinstance(body, dict) else None)
+        body = json_body(content) or {}
+        model = host.get(body.get("model"))
         if model.state != "loaded":
             host.check_fits(model)
-            if isinstance(body, dict) and body.get("stream") is True:
+            if body.get("stream") is True:
                 response = StreamingResponse(
                     loading_then_relay(model, path, raw, content), media_type="text/event-stream"
                 )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 from collections.abc import Callable
 
@@ -30,6 +29,7 @@ from pagoda.entrypoints.relay import (
     RelayedResponse,
     error,
     error_code,
+    json_body,
     relayed_headers,
     release,
     request_headers,
@@ -146,13 +146,8 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
 
     async def relay(path: str, raw: Request):
         content = await raw.body()
-        try:
-            body = json.loads(content)
-        except ValueError:
-            body = None
-        hashes = (
-            await asyncio.to_thread(router.block_hashes, body) if isinstance(body, dict) else []
-        )
+        body = json_body(content)
+        hashes = await asyncio.to_thread(router.block_hashes, body) if body is not None else []
         headers = request_headers(raw.headers)
         tried: set[Replica] = set()
         refused: Response | None = None  # the last replica's 503, if every one refused

@@ -1,7 +1,7 @@
 """The chat page at `/`: a conversation with the served models in a browser, as
 llama.cpp's server has one.
 
-Three static files in this package (`chat.html`, `chat.css`, `chat.js`: plain code,
+Static files in this package (`chat.html`, `chat.css`, `chat.js`, `markdown.js`, `views.js`: plain code,
 no build step, nothing fetched from elsewhere) that talk to the server's own API:
 `GET /v1/models` for the model and adapter pickers, `POST /v1/chat/completions`
 (streamed) for the answers. Conversations and settings live in the browser's
@@ -23,6 +23,8 @@ from starlette.exceptions import HTTPException
 _ASSETS = {
     "chat.css": "text/css; charset=utf-8",
     "chat.js": "text/javascript; charset=utf-8",
+    "markdown.js": "text/javascript; charset=utf-8",
+    "views.js": "text/javascript; charset=utf-8",
     "favicon.svg": "image/svg+xml",
 }
 
