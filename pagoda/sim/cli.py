@@ -73,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_sim(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from pagoda.bench.report import cpu_name
     from pagoda.sim.cost_model import StepCostModel, default_cost_model
     from pagoda.sim.replica import ReplicaSpec
     from pagoda.sim.simulator import FleetSpec, Simulation
@@ -112,7 +113,7 @@ def cmd_sim(ns: argparse.Namespace) -> int:
         with open(ns.output_json, "w") as f:
             json.dump({
                 "command": "pagoda " + " ".join(sys.argv[1:]),
-                "machine": platform.machine(),
+                "machine": {"arch": platform.machine(), "cpu": cpu_name()},
                 "wall_s": wall,
                 "workload": workload,
                 "fleet": {k: v for k, v in fleet.__dict__.items() if k != "replica"},
