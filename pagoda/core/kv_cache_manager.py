@@ -172,6 +172,7 @@ class KVCacheManager:
         if self._staged_for != request.request_id:  # one request's reads held at a time
             self.tier.drop_staged()
             self._staged_for = request.request_id
+        self._has_room(len(hashes))  # (the blocks the writer holds may be what is missing)
         return self.tier.stage(hashes[: self.block_pool.num_free_blocks])
 
     def _first_needed(self, position: int) -> int:

@@ -83,6 +83,7 @@ class KVTier:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, LRU first
         self._num_bytes = 0
         self._pending: set[bytes] = set()  # queued for writing
+        self._unwritten: dict[bytes, bytes] = {}  # copied out, file not yet written
         self._copied: list[int] = []  # blocks the writer is done reading
         self.num_copying = 0  # blocks queued and not yet read
         self._copy_done = threading.Condition(self._lock)
@@ -115,7 +116,10 @@ class KVTier:
         for block_hash in hashes:
             if block_hash not in self._staged:  # (else staged by a try that did not fit)
                 self.stats.queries += 1
-                payload = self._read(block_hash)
+                with self._lock:  # (its memory block may be gone while its file is not there)
+                    payload = self._unwritten.get(block_hash)
+                if payload is None:
+                    payload = self._read(block_hash)
                 if payload is None:
                     break
                 self._staged[block_hash] = payload
@@ -186,6 +190,9 @@ class KVTier:
                 payloads = [None] * len(items)
             with self._lock:
                 self._copied += [block_id for _, block_id in items]
+                self._unwritten.update(
+                    (h, p) for (h, _), p in zip(items, payloads, strict=True) if p is not None
+                )
                 self.num_copying -= len(items)
                 self._copy_done.notify_all()
             for (block_hash, _), payload in zip(items, payloads, strict=True):
@@ -197,6 +204,7 @@ class KVTier:
                 finally:
                     with self._lock:
                         self._pending.discard(block_hash)
+                        self._unwritten.pop(block_hash, None)
             for _ in batch:
                 self._queue.task_done()
 

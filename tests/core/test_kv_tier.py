@@ -54,6 +54,26 @@ def files(tier: KVTier) -> list[str]:
     return sorted(os.listdir(tier.folder))
 
 
+def test_a_block_copied_out_is_found_before_its_file_is_written(tmp_path, monkeypatch):
+    """Once the writer has copied a block, its memory block is given back; a lookup
+    between then and the file landing is served from the writer's copy."""
+    import threading
+
+    tier = tier_at(tmp_path)
+    may_write, write = threading.Event(), tier._write
+    monkeypatch.setattr(tier, "_write", lambda h, p: may_write.wait() and write(h, p))
+    try:
+        assert save(tier, 4)
+        tier.wait_copied()
+        assert tier.take_saved() == [4] and files(tier) == []  # given back, not on disk
+        assert tier.stage([block(4)[0]]) == 1 and bytes(tier.take(block(4)[0])) == block(4)[1]
+    finally:
+        may_write.set()
+    tier.flush()
+    assert len(files(tier)) == 1 and tier.stage([block(4)[0]]) == 1
+    tier.close()
+
+
 def test_blocks_outlive_the_tier(tmp_path):
     tier = written(tmp_path, 3)
     assert len(files(tier)) == 3 and all(f.endswith(".kv") for f in files(tier))  # no .tmp left
