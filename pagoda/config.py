@@ -39,6 +39,7 @@ class ModelConfig:
     keep_full_precision: tuple[str, ...]  # module-name patterns that stay unquantized
     int8_activations: bool  # quantized linears quantize their activations to int8
     enforce_eager: bool  # no C++ decode loop: every step through the Python model
+    batch_invariant: bool  # a request's results independent of its batch (pagoda.ops.cpu)
     max_model_len: int
     max_model_len_is_default: bool
     eos_token_ids: tuple[int, ...]

@@ -41,7 +41,13 @@ from pagoda.model_executor.models import (
     needs,
 )
 from pagoda.model_executor.tasks import pooler_config, resolve_tasks
-from pagoda.refusals import check_cuda, check_kv_offload, check_parallel, cuda_refusal
+from pagoda.refusals import (
+    check_batch_invariant,
+    check_cuda,
+    check_kv_offload,
+    check_parallel,
+    cuda_refusal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +90,10 @@ class EngineArgs:
     # Decode steps of a few rows run the layers in one C++ call (csrc/decode_loop.cpp,
     # bitwise the same result); True keeps every step in the Python model (vLLM's name).
     enforce_eager: bool = False
+    # Each request's tokens and logprobs bitwise the same whatever else is in the batch,
+    # however its prompt is chunked or cached (pagoda.ops.cpu: one kernel and one order of
+    # sums per output element at every row count; attention per query row).
+    batch_invariant: bool = False
     # A reasoning model's `<think>` block: split from the answer in responses, and
     # grammars constrain only what follows it (vLLM's name; see pagoda.engine.reasoning).
     reasoning_parser: str | None = None
@@ -301,6 +311,7 @@ class EngineArgs:
             )
         check_parallel(self, hf_config)
         check_kv_offload(self, hf_config)
+        check_batch_invariant(self, hf_config, device)
         quantization, kernel_backend = self.quantization, self.kernel_backend
         if device == "cuda":
             check_cuda(self, hf_config)
@@ -330,6 +341,7 @@ class EngineArgs:
             if self.int8_activations is not None
             else dtype != "float32",
             enforce_eager=self.enforce_eager,
+            batch_invariant=self.batch_invariant,
             max_model_len=self.max_model_len or model_max_len,
             max_model_len_is_default=self.max_model_len is None,
             eos_token_ids=eos_token_ids,

@@ -110,5 +110,31 @@ def check_kv_offload(args: EngineArgs, hf_config: dict[str, Any]) -> None:
             raise ValueError(f"kv_offload_dir: not supported with {what} yet.")
 
 
+def check_batch_invariant(args: EngineArgs, hf_config: dict[str, Any], device: str) -> None:
+    """What the batch-invariant mode (pagoda.ops.cpu) does not cover yet, refused by name."""
+    if not args.batch_invariant:
+        return
+    model_needs = needs(hf_config["architectures"][0])
+    refusals = {
+        "device 'cuda' (cuBLAS and the Triton kernels pick their splits by shape)": (
+            device == "cuda"
+        ),
+        "kernel_backend 'torch' (it needs pagoda's C++ CPU kernels)": (
+            args.kernel_backend == "torch"
+        ),
+        "tensor_parallel_size > 1 (the all-reduce's sums are cut by the step's size)": (
+            args.tensor_parallel_size > 1
+        ),
+        "multi-head latent attention (its absorbed products are batched matmuls)": (
+            LATENT_ATTENTION in model_needs
+        ),
+        "an encoder model": BIDIRECTIONAL in model_needs,
+        "a vision-language model (its image encoder runs batched)": VISION in model_needs,
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise ValueError(f"batch_invariant: not supported with {what} yet.")
+
+
 def _tile_size(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0

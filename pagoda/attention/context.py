@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from pagoda.lora.manager import LoRAMapping
@@ -43,6 +44,31 @@ class AttentionMetadata:
     prefill_lens: torch.Tensor | None = None
     prefill_contexts: torch.Tensor | None = None
     prefill_tables: torch.Tensor | None = None
+    _query_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token as a decode: (block tables [T, max_blocks], context lengths
+        [T] including the token), built once per step for every layer that asks."""
+        if self._query_rows is None:
+            if not self.prefill_query_lens:
+                self._query_rows = self.decode_block_tables, self.decode_seq_lens
+            else:
+                width = max(
+                    [self.decode_block_tables.shape[1]]
+                    + [len(t) for t in self.prefill_block_tables]
+                )
+                tables = [
+                    F.pad(self.decode_block_tables, (0, width - self.decode_block_tables.shape[1]))
+                ]
+                lens = [self.decode_seq_lens]
+                for qlen, ctx, table in zip(
+                    self.prefill_query_lens, self.prefill_context_lens, self.prefill_block_tables,
+                    strict=True,
+                ):  # fmt: skip
+                    tables.append(F.pad(table, (0, width - len(table))).expand(qlen, width))
+                    lens.append(torch.arange(ctx + 1, ctx + qlen + 1))
+                self._query_rows = torch.cat(tables), torch.cat(lens)
+        return self._query_rows
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """The tensors a kernel reads, on `device` (the host lists stay)."""
@@ -59,6 +85,7 @@ class AttentionMetadata:
             prefill_lens=move(self.prefill_lens),
             prefill_contexts=move(self.prefill_contexts),
             prefill_tables=move(self.prefill_tables),
+            _query_rows=None,
         )
 
 

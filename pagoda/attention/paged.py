@@ -173,3 +173,25 @@ def paged_attention(
         rows = slice(start, start + qlen)
         out[rows] = _prefill_chunk(q[rows], k[rows], v[rows], cache, block_table, ctx, params)
     return out
+
+
+def batch_invariant_attention(
+    decode_attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKV,
+    meta: AttentionMetadata,
+    params: AttentionParams,
+) -> torch.Tensor:
+    """The batch-invariant mode's attention (pagoda.ops.cpu): this step's K/V into the
+    cache, then every query row, prefill rows too, through the decode kernel, as a
+    decode at its own position. That kernel's sums are split by the row's position
+    alone, so a token's attention is the same in a prefill chunk of any length, after
+    a prefix hit, or decoded; a chunk of L rows reads its context L times (the price)."""
+    write_kv(k, v, cache, meta.slot_mapping)
+    tables, lens = meta.query_rows()
+    return decode_attention(
+        q, cache.k, cache.v, tables, lens, params.scale, cache.k_scales, cache.v_scales,
+        params.window, params.softcap,
+    )  # fmt: skip

@@ -41,7 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_scales") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,
         py::arg("v_dim") = 0);
   m.def("small_gemm_available", &small_gemm_available, "Whether small_gemm was built (AVX512-BF16)");
-  m.def("small_gemm", &small_gemm, "y = x @ w.T (+ bias) for a few bf16 rows (CPU)");
+  m.def("small_gemm", &small_gemm, "y = x @ w.T (+ bias), bf16 or float32, one sum order per element at any M (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[rows[r], t] = -inf where bit t of bitmask[r] is clear, in place (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, n] rows (CPU)");

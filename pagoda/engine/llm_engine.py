@@ -179,6 +179,7 @@ class LLMEngine:
             model_config.quantization,
             model_config.keep_full_precision,
             model_config.int8_activations,
+            model_config.batch_invariant,
             model_config.kernel_backend,
             torch.backends.cpu.get_cpu_capability(),  # which kernels computed the K/V
             cache_config.block_size,

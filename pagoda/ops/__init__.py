@@ -45,12 +45,18 @@ logger = logging.getLogger(__name__)
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def select_ops(kernel_backend: str, dtype: torch.dtype, int8_activations: bool = True) -> Ops:
+def select_ops(
+    kernel_backend: str,
+    dtype: torch.dtype,
+    int8_activations: bool = True,
+    batch_invariant: bool = False,
+) -> Ops:
     """The ops for a model in `dtype`: "torch" is PyTorch alone; "cpu" requires the C++
     kernels; "auto" takes them when they build and support the dtype.
 
     `int8_activations`: quantized linears at small batch quantize their activations to
     int8 per block of 32 (as llama.cpp does); off, activations stay in `dtype`.
+    `batch_invariant`: the C++ kernels' batch-invariant set (see cpu.cpu_ops), required.
     """
     if kernel_backend not in KERNEL_BACKENDS:
         raise ValueError(
@@ -60,7 +66,12 @@ def select_ops(kernel_backend: str, dtype: torch.dtype, int8_activations: bool =
         return TORCH_OPS
     if kernel_backend == "triton":
         return gpu_ops()
-    ops = cpu.cpu_ops(dtype, int8_activations)
+    ops = cpu.cpu_ops(dtype, int8_activations, batch_invariant)
+    if ops is None and batch_invariant:
+        raise ValueError(
+            f"batch_invariant: needs pagoda's C++ CPU kernels with AVX512-BF16 for {dtype} "
+            "(float32 or bfloat16 models; see the log for a build error)."
+        )
     if ops is None:
         if kernel_backend == "cpu":
             raise ValueError(

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from pagoda.attention.paged import batch_invariant_attention
 from pagoda.model_executor.quantization import PER_CHANNEL, QuantizedWeight
 from pagoda.ops import torch_ops
 from pagoda.ops.base import Ops
@@ -146,14 +147,29 @@ LORA_GEMM_ROWS = 512
 DECODE_LOOP_MAX_ROWS = 16
 
 
-def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
-    """The `Ops` with the C++ kernels for a model in `dtype`, or None if they cannot serve it."""
+def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: bool = False):
+    """The `Ops` with the C++ kernels for a model in `dtype`, or None if they cannot serve it.
+
+    `batch_invariant`: each product runs one kernel at every row count, with one order
+    of sums per output element (small_gemm, quant_linear on the blocks, the W8A8
+    integer paths, whose int32 sums are exact), and attention runs every query row
+    through the decode kernel, whose split depends on the row's position alone: a
+    request's results then do not depend on what else is in the step, nor on how its
+    prompt was chunked or cached. None where the kernels it needs are not built."""
     module = load()
     if module is None or dtype not in (torch.float32, torch.bfloat16):
         return None
+    if batch_invariant and not module.small_gemm_available():
+        return None
     linear = torch_ops.linear
     small_gemm = None
-    if dtype == torch.bfloat16:
+    if batch_invariant:
+        small_gemm = module.small_gemm
+
+        def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+            return small_gemm(x, weight, bias)
+
+    elif dtype == torch.bfloat16:
         small_gemm = module.small_gemm if module.small_gemm_available() else None
 
         def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -176,16 +192,21 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
     # weight's worth of fresh pages is not faulted in at every call (most of the cost).
     scratch: dict[torch.dtype, torch.Tensor] = {}
 
+    # Batch-invariant: integer paths at every row count (the dequantized GEMM past them
+    # sums in another order); without int8 activations, dequantize + small_gemm always.
+    w8a8_int_max_rows = W8A8_INT_MAX_ROWS if not batch_invariant else 1 << 62
+    blocks_max_rows = QUANT_LINEAR_MAX_ROWS if not batch_invariant else 1 << 62
+
     def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
         if weight.format == PER_CHANNEL and int8_activations:
             x = x.contiguous()
             if int8_small and x.shape[0] <= INT8_SMALL_MAX_ROWS:
                 return module.int8_linear_small(x, weight.qs, weight.d, bias)
-            if x.shape[0] <= W8A8_INT_MAX_ROWS:
+            if x.shape[0] <= w8a8_int_max_rows:
                 # Bucketed rows, as for bf16: oneDNN keeps an integer kernel per distinct M.
                 y = module.int8_linear_large(pad_rows(x), weight.qs, weight.d, bias)
                 return y[: x.shape[0]]
-        if on_blocks and weight.format != PER_CHANNEL and x.shape[0] <= QUANT_LINEAR_MAX_ROWS:
+        if on_blocks and weight.format != PER_CHANNEL and x.shape[0] <= blocks_max_rows:
             code = weight.format_code
             return module.quant_linear(
                 x.contiguous(), weight.qs, weight.d, weight.m, code, bias, qh=weight.qh
@@ -211,7 +232,10 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
             if weight.dtype == torch.bfloat16:
                 if small_gemm is None:
                     return None
-                return spec(kind=kinds.DENSE, w=weight, bias=bias), SMALL_GEMM_MAX_ROWS
+                rows = DECODE_LOOP_MAX_ROWS if batch_invariant else SMALL_GEMM_MAX_ROWS
+                return spec(kind=kinds.DENSE, w=weight, bias=bias), rows
+            if batch_invariant:  # (the loop's float32 product is F.linear's)
+                return None
             return spec(kind=kinds.DENSE, w=weight, bias=bias), DECODE_LOOP_MAX_ROWS
         if qweight.format == PER_CHANNEL:
             if not int8_small:
@@ -228,9 +252,10 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
 
     add_lora = torch_ops.add_lora
     if module.lora_add_available():
+        gemm_rows = LORA_GEMM_ROWS if not batch_invariant else 1 << 62  # (lora_add: per row)
 
         def add_lora(y: torch.Tensor, x: torch.Tensor, lora, mapping) -> torch.Tensor:
-            blocks, rest = mapping.split(LORA_GEMM_ROWS)
+            blocks, rest = mapping.split(gemm_rows)
             if blocks:
                 torch_ops.add_lora_segments(y, x, lora, blocks)
             if rest is not None:
@@ -264,4 +289,9 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True):
         decode_loop=module.DecodeLoop,
         decode_loop_linear=decode_loop_linear,
         decode_loop_lora=module.lora_add_available(),
+        attention=(
+            functools.partial(batch_invariant_attention, module.paged_decode_attention)
+            if batch_invariant
+            else None
+        ),
     )

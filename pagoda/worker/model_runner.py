@@ -73,7 +73,10 @@ class ModelRunner:
         cfg = model_config.hf_config
         self.vocab_size = cfg["vocab_size"]
         self.ops = select_ops(
-            model_config.kernel_backend, self.dtype, model_config.int8_activations
+            model_config.kernel_backend,
+            self.dtype,
+            model_config.int8_activations,
+            model_config.batch_invariant,
         )
         self.model = load_model(model_config, self.ops, parallel).to(self.device)
         self.drafter = None  # speculative method "draft": its model and KV pool
