@@ -40,6 +40,42 @@ def test_small_gemm_rounds_like_a_float32_accumulation(rows):
             assert (got != onednn).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_batch_invariant_products_give_a_row_what_it_gets_alone(dtype):
+    """The batch-invariant mode's products (cpu_ops(batch_invariant=True)): each row of
+    an M-row product, for M from 1 to 300 (past the row blocks of the large-M pass),
+    is bitwise the row computed alone; the float32 small_gemm is a float32 product."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pagoda.model_executor.quantization import from_gguf, quantize_per_channel
+
+    module = kernels_or_skip()
+    ops = cpu.cpu_ops(dtype, batch_invariant=True)
+    if ops is None:
+        pytest.skip("no AVX512-BF16")
+    g = torch.Generator().manual_seed(1)
+    n, k = 203, 160  # a row tail of N, and a K tail of the 32-wide steps
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g).to(dtype)
+    weights = {
+        "dense": w.to(dtype),
+        "q4_1": from_gguf("Q4_1", quantize(w.numpy(), GGMLQuantizationType.Q4_1)),
+        "q8_0": from_gguf("Q8_0", quantize(w.numpy(), GGMLQuantizationType.Q8_0)),
+        "w8a8": quantize_per_channel(w),
+    }
+    x = torch.randn(300, k, generator=g).to(dtype)
+    for name, weight in weights.items():
+        product = ops.linear if name == "dense" else ops.quant_linear
+        alone = torch.cat([product(x[i : i + 1], weight, bias) for i in range(len(x))])
+        for m in (1, 2, 5, 8, 9, 16, 17, 64, 131, 300):
+            got = product(x[:m], weight, bias)
+            assert torch.equal(got, alone[:m]), f"{name} at {m} rows"
+    exact = torch.nn.functional.linear(x.double(), w.to(dtype).double(), bias.double())
+    torch.testing.assert_close(module.small_gemm(x, w.to(dtype), bias).double(), exact,
+                               rtol=2**-8 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
 @pytest.mark.parametrize("rotary_dim", [64, 48], ids=["rotary", "partial-rotary"])
