@@ -48,6 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--kv-bytes-per-token", type=int, default=23040,
+                   help="a token's K/V, for the disk tier (default: SmolLM2-135M, bf16)")  # fmt: skip
+    p.add_argument("--kv-tier-bytes", type=int, default=0,
+                   help="a disk KV tier of this many bytes per replica (0: none)")  # fmt: skip
+    p.add_argument("--kv-tier-shared", action="store_true",
+                   help="one disk tier of --kv-tier-bytes for the whole fleet")  # fmt: skip
+    p.add_argument("--kv-tier-read-gbps", type=float, default=2.0, help="the tier's reads, GB/s")
     p.add_argument("--request-overhead-ms", type=float, default=0.0,
                    help="added to each request's TTFT and latency (HTTP, tokenizing)")  # fmt: skip
     p.add_argument("--scale-waiting", type=float, default=None,
@@ -83,7 +90,7 @@ def cmd_sim(ns: argparse.Namespace) -> int:
     replica = ReplicaSpec(
         ns.kv_tokens, ns.block_size, ns.max_num_seqs, ns.max_num_batched_tokens,
         ns.max_model_len, slo_ttft_ms=ns.slo_ttft_ms if ns.shed else None,
-        slo_tpot_ms=ns.slo_tpot_ms if ns.shed else None,
+        slo_tpot_ms=ns.slo_tpot_ms if ns.shed else None, kv_bytes_per_token=ns.kv_bytes_per_token,
     )  # fmt: skip
     fleet = FleetSpec(
         replicas=ns.replicas, policy=ns.policy, balance_threshold=ns.balance_threshold,
@@ -92,6 +99,8 @@ def cmd_sim(ns: argparse.Namespace) -> int:
         scale_waiting=ns.scale_waiting, scale_kv=ns.scale_kv, max_replicas=ns.max_replicas,
         scale_interval=ns.scale_interval, startup_delay=ns.startup_delay,
         failures=tuple(ns.fail), slo_ttft_ms=ns.slo_ttft_ms, slo_tpot_ms=ns.slo_tpot_ms,
+        kv_tier_bytes=ns.kv_tier_bytes, kv_tier_shared=ns.kv_tier_shared,
+        kv_tier_read_gbps=ns.kv_tier_read_gbps,
     )  # fmt: skip
     if ns.trace:
         reqs = load_trace(ns.trace, ns.seed)
@@ -130,6 +139,12 @@ def format_results(r: dict, replicas: int, policy: str, wall: float) -> str:
     def ms(summary: dict, key: str) -> str:
         return "-" if summary[key] is None else f"{summary[key]:.0f}"
 
+    tier = r["kv_tier"]
+    tier_line = [] if tier is None else [
+        f"  disk tier ({'shared' if tier['shared'] else 'per replica'}): hit rate "
+        f"{tier['hit_rate']:.3f} ({tier['hit_tokens']} tokens); "
+        f"{tier['bytes_written'] / 1e9:.2f} GB written, {tier['bytes_read'] / 1e9:.2f} GB read",
+    ]  # fmt: skip
     return "\n".join([
         f"{replicas} replicas ({policy}): {r['completed']} completed, {r['failed']} failed, "
         f"{r['refused']} refused, "
@@ -140,6 +155,7 @@ def format_results(r: dict, replicas: int, policy: str, wall: float) -> str:
         f" TPOT p50 {ms(r['tpot_ms'], 'median')} ms, p99 {ms(r['tpot_ms'], 'p99')} ms",
         f"  prefix-cache hit rate {r['prefix_cache_hit_rate']:.3f}; "
         f"{r['replica_seconds']:.0f} replica-seconds (at most {r['max_replicas']} replicas)",
+        *tier_line,
     ])  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """A simulated engine replica: pagoda's own `Scheduler` and `KVCacheManager` (the
-prefix cache, chunked prefill, preemption, exactly as an engine runs them), with a
-stand-in for the model whose step takes what the cost model says and samples one
+prefix cache, chunked prefill, preemption, the disk tier's lookups and saves, exactly
+as an engine runs them), with a stand-in for the model whose step takes what the cost
+model says (plus the step's tier reads at the tier's bandwidth) and samples one
 token per sampling row."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pagoda.core.step_shape import StepShape
 from pagoda.request import SLO, Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.sim.cost_model import StepCostModel
+from pagoda.sim.tier import SimTier, TierStore
 
 SAMPLED_TOKEN = 7  # what the stand-in samples (outputs are never read, only counted)
 
@@ -32,6 +34,9 @@ class ReplicaSpec:
     # load shedding of pagoda/core/deadlines.py, on the simulated clock.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # A token's K/V, for the disk tier's bytes: the shipped cost model's SmolLM2-135M
+    # in bfloat16 (30 layers x 3 KV heads x 64 x K and V x 2 bytes).
+    kv_bytes_per_token: int = 23040
 
     def __post_init__(self) -> None:
         if self.kv_tokens < self.block_size or self.max_num_seqs < 1:
@@ -40,12 +45,25 @@ class ReplicaSpec:
 
 class SimReplica:
     def __init__(
-        self, index: int, spec: ReplicaSpec, cost: StepCostModel, kv_events: bool, clock
+        self,
+        index: int,
+        spec: ReplicaSpec,
+        cost: StepCostModel,
+        kv_events: bool,
+        clock,
+        tier_store: TierStore | None = None,
+        tier_read_gbps: float = 2.0,
     ) -> None:
-        """`clock()`: the simulated time (the deadlines' clock)."""
+        """`clock()`: the simulated time (the deadlines' clock). `tier_store`: the disk
+        tier's index this replica writes to and reads from (its own, or shared)."""
         self.index = index
         self.cost = cost
-        self.kv = KVCacheManager(spec.kv_tokens // spec.block_size, spec.block_size, True)
+        self.tier = SimTier(tier_store) if tier_store is not None else None
+        self.tier_read_bytes_per_s = tier_read_gbps * 1e9
+        self._bytes_read_billed = 0  # tier reads already added to a step's time
+        self.kv = KVCacheManager(
+            spec.kv_tokens // spec.block_size, spec.block_size, True, tier=self.tier
+        )
         config = SchedulerConfig(
             spec.max_num_seqs, spec.max_num_batched_tokens, spec.max_model_len,
             slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms,
@@ -74,6 +92,12 @@ class SimReplica:
             return None
         self.step_in_flight = out
         seconds = self.cost.seconds(StepShape.of(out))
+        if self.tier is not None:  # read on the engine thread as requests were admitted
+            stats = self.tier.stats
+            read_seconds = (stats.bytes_read - self._bytes_read_billed) / self.tier_read_bytes_per_s
+            self._bytes_read_billed = stats.bytes_read
+            stats.load_seconds += read_seconds
+            seconds += read_seconds
         self.busy_seconds += seconds
         self.scheduler.deadlines.record_step(out, seconds)  # what the engine would measure
         return seconds

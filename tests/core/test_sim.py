@@ -1,9 +1,11 @@
 """`pagoda sim`: the cost model's fit, the workloads' shapes and arrival processes, and
 the simulation's bookkeeping (exact step timing for a lone request, conservation,
-routing, failures, autoscaling), all with pagoda's real scheduler and router code."""
+routing, failures, autoscaling, the disk KV tier), all with pagoda's real scheduler
+and router code."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,10 +13,13 @@ import sys
 import numpy as np
 import pytest
 
+from pagoda.core.kv_tier import HEADER_BYTES
 from pagoda.core.step_shape import StepShape
+from pagoda.sim.cli import format_results
 from pagoda.sim.cost_model import StepCostModel, default_cost_model
 from pagoda.sim.replica import ReplicaSpec
 from pagoda.sim.simulator import FleetSpec, Simulation
+from pagoda.sim.tier import SimTier, TierStore
 from pagoda.sim.workloads import (
     SimRequest,
     WorkloadSpec,
@@ -167,13 +172,16 @@ def test_the_command(tmp_path):
         [sys.executable, "-m", "pagoda.entrypoints.cli", "sim", "--replicas", "3",
          "--num-requests", "150", "--request-rate", "20", "--workload", "sessions",
          "--arrivals", "gamma", "--slo-ttft-ms", "500", "--output-json", str(out),
-         "--plot", str(png), "--no-progress"],
+         "--plot", str(png), "--kv-tier-bytes", "1000000000", "--kv-tier-shared",
+         "--no-progress"],
         check=True, cwd=ROOT, capture_output=True,
     )  # fmt: skip
     data = json.loads(out.read_text())
     assert data["results"]["completed"] == 150
     assert 0 < data["results"]["goodput"] <= data["results"]["request_throughput"]
     assert data["command"].startswith("pagoda sim") and png.stat().st_size > 10_000
+    tier = data["results"]["kv_tier"]
+    assert tier["shared"] and tier["bytes_written"] > 0 and data["fleet"]["kv_tier_bytes"] == 10**9
 
 
 def test_shedding_keeps_goodput_under_overload():
@@ -190,3 +198,87 @@ def test_shedding_keeps_goodput_under_overload():
     assert shed["completed"] + shed["refused"] == len(reqs)
     assert shed["goodput"] > 1.5 * queued["goodput"]
     assert shed["ttft_ms"]["p90"] < queued["ttft_ms"]["p90"]
+
+
+# ---- the disk KV tier -------------------------------------------------------------
+
+
+def _sessions() -> list[SimRequest]:
+    """Conversations over 4 system prompts: about 20k tokens of history, against two
+    replicas of 2k tokens of KV each."""
+    return make_requests(WorkloadSpec("sessions", 120, 6.0, prefix_len=256, num_prefixes=4,
+                                      output_len=16, turns=4, think_s=3.0))  # fmt: skip
+
+
+def _run(fleet: FleetSpec, reqs: list[SimRequest]) -> dict:
+    sim = Simulation(fleet, COST, reqs)
+    r = sim.run()
+    assert r["completed"] == len(reqs)
+    for replica in sim.replicas:  # nothing held: not for the tier, not by a request
+        assert replica.kv.block_pool.num_used_blocks == 0
+    return r
+
+
+def test_the_disk_tier_keeps_what_memory_cannot():
+    """Each conversation's history is evicted from its replica's 2k tokens of KV by
+    the time it comes round again; with a tier, it is read back instead of computed,
+    each read costing its bytes at the tier's bandwidth."""
+    reqs, spec = _sessions(), ReplicaSpec(kv_tokens=2048, max_num_batched_tokens=512)
+    off = _run(FleetSpec(replicas=2, replica=spec), reqs)
+    on = _run(FleetSpec(replicas=2, replica=spec, kv_tier_bytes=1 << 30), reqs)
+    assert off["kv_tier"] is None
+    tier = on["kv_tier"]
+    assert on["prefix_cache_hit_rate"] > off["prefix_cache_hit_rate"] + 0.05
+    assert tier["hit_rate"] > 0.05 and tier["hit_tokens"] > 0
+    assert on["ttft_ms"]["p90"] < 0.7 * off["ttft_ms"]["p90"]
+    assert on["ttft_ms"]["mean"] < off["ttft_ms"]["mean"]
+    file_bytes = 23040 * 16 + HEADER_BYTES
+    assert (
+        tier["bytes_read"] == tier["hit_tokens"] // 16 * file_bytes
+    )  # (every block read was loaded)
+    assert tier["read_s"] == pytest.approx(tier["bytes_read"] / 2e9)
+    assert tier["stored_bytes"] == tier["bytes_written"] and tier["evicted_blocks"] == 0
+    assert sum(r["bytes_read"] for r in tier["per_replica"]) == tier["bytes_read"]
+    assert "disk tier (per replica): hit rate" in format_results(on, 2, "prefix", 0.0)
+    assert "disk tier" not in format_results(off, 2, "prefix", 0.0)
+
+
+def test_a_shared_tier_finds_what_another_replica_wrote():
+    """Round-robin: a prompt's prefix computed on replica 0 is read from a shared tier
+    by replica 1, whose first token then takes the rest's prefill and the read; with
+    a tier each, replica 1 computes it all."""
+    prefix = list(range(1000, 1256))  # 16 blocks
+    reqs = [SimRequest(0.0, prefix + [7] * 16, 2), SimRequest(5.0, prefix + [9] * 16, 2)]
+    spec = ReplicaSpec(kv_tokens=4096)
+    fleet = FleetSpec(replicas=2, policy="round-robin", replica=spec, kv_tier_bytes=1 << 30)
+    own = _run(fleet, reqs)
+    shared = _run(dataclasses.replace(fleet, kv_tier_shared=True), reqs)
+    assert [r["hit_tokens"] for r in own["kv_tier"]["per_replica"]] == [0, 0]
+    assert [r["hit_tokens"] for r in shared["kv_tier"]["per_replica"]] == [0, 256]
+    file_bytes = 23040 * 16 + HEADER_BYTES
+    # Replica 1 writes only its own last block: the tier holds the prefix's already.
+    written = [r["bytes_written"] for r in shared["kv_tier"]["per_replica"]]
+    assert written == [17 * file_bytes, file_bytes]
+    cold = COST.seconds(StepShape(272, 0, 0, 272 * 136))
+    warm = COST.seconds(StepShape(16, 0, 0, 16 * (256 + 8))) + 16 * file_bytes / 2e9
+    assert own["ttft_ms"]["mean"] == pytest.approx(cold * 1e3)
+    assert shared["ttft_ms"]["mean"] == pytest.approx((cold + warm) / 2 * 1e3)
+
+
+def test_the_tier_budget_drops_the_least_recently_used():
+    store = TierStore(3 * (100 + HEADER_BYTES), block_bytes=100)
+    tier = SimTier(store)
+    assert all(tier.save(bytes([i]) * 16, i) for i in range(3))
+    assert tier.take_saved() == [0, 1, 2] and tier.take_saved() == []  # copied at once
+    assert tier.stage([bytes([0]) * 16, bytes([9]) * 16]) == 1  # block 0: now the most recent
+    assert not tier.save(bytes([0]) * 16, 5)  # held already: not written again
+    assert tier.save(bytes([3]) * 16, 3)
+    assert not tier.holds(bytes([1]) * 16) and tier.holds(bytes([0]) * 16)
+    stats = tier.snapshot()
+    assert stats.stored_blocks == 3 and stats.stored_bytes <= store.max_bytes
+    assert stats.blocks_removed == 1 and stats.hits == 1 and stats.queries == 2
+    # In a fleet: a budget of 50 blocks a replica is kept to, the rest dropped.
+    budget = 50 * (23040 * 16 + HEADER_BYTES)
+    spec = ReplicaSpec(kv_tokens=2048, max_num_batched_tokens=512)
+    r = _run(FleetSpec(replicas=2, replica=spec, kv_tier_bytes=budget), _sessions())
+    assert r["kv_tier"]["stored_bytes"] == 2 * budget and r["kv_tier"]["evicted_blocks"] > 0
