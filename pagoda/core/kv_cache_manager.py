@@ -235,7 +235,10 @@ class KVCacheManager:
             and cow_index < len(block_ids)
             and ref_cnts[block_ids[cow_index]] > 1
         )
-        # Hits sitting in the free queue stop being free once referenced.
+        # Hits sitting in the free queue stop being free once referenced. (Blocks the
+        # tier's writer is done with are given back first: a hit among them must be
+        # counted as free here, not found free by the room check below.)
+        self.release_saved()
         num_evictable_hits = sum(1 for b in _held(in_memory) if ref_cnts[b] == 0)
         if not self._has_room(num_new_blocks + needs_copy + num_evictable_hits):
             return None
@@ -400,7 +403,9 @@ class KVCacheManager:
     def release_saved(self) -> None:
         """Give back the blocks the tier's writer has copied."""
         if self.tier is not None:
-            self.block_pool.free_blocks(self.tier.take_saved())
+            # Tail first, as a finished request's own blocks are: the pool evicts the
+            # oldest free block first, and a prefix's head is the most shared part.
+            self.block_pool.free_blocks(self.tier.take_saved()[::-1])
 
     def _has_room(self, num_blocks: int) -> bool:
         """Whether `num_blocks` are free, after waiting for the tier's writer to copy

@@ -239,3 +239,29 @@ def test_room_held_for_the_writer_is_waited_for_not_preempted_for(tmp_path):
     assert kv.allocate_slots(second, 8) is not None  # after the copy: no preemption
     assert sorted(sum(copying, [])) == [0, 1] and tier.num_copying == 0
     tier.close()
+
+
+def test_a_hit_on_blocks_the_writer_held_is_counted_before_they_are_given_back(tmp_path):
+    """A prefix hit on a finished request's blocks, still held for the writer (copied,
+    not yet given back), in a short pool: the allocation is refused cleanly (None),
+    not taken past the pool's end, and succeeds once there is room."""
+    tier = KVTier(str(tmp_path), 1 << 30, FP, lambda ids: [b"k" * 8 for _ in ids])
+    kv = KVCacheManager(6, BS, tier=tier)
+    params = SamplingParams(max_tokens=1)
+    first = Request("a", list(range(1, 9)), params)  # two full blocks
+    assert kv.allocate_slots(first, 8) is not None
+    first.num_computed_tokens = 8
+    kv.free(first)  # both held for the writer
+    filler = Request("f", [50] * 8, params)
+    assert kv.allocate_slots(filler, 8) is not None
+    tier.wait_copied()  # copied, not yet given back
+    second = Request("b", list(range(1, 9)) + [99] * 9, params)  # a's blocks, then 3 more
+    hits, num_hit_tokens = kv.get_computed_blocks(second)
+    assert num_hit_tokens == 8
+    assert kv.allocate_slots(second, 17 - num_hit_tokens, hits) is None  # 5 needed, 4 free
+    filler.num_computed_tokens = 8
+    kv.free(filler)
+    tier.wait_copied()
+    hits, num_hit_tokens = kv.get_computed_blocks(second)
+    assert kv.allocate_slots(second, 17 - num_hit_tokens, hits) is not None
+    tier.close()
