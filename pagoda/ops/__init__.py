@@ -22,6 +22,10 @@ K/V slot write, split-KV decode, varlen prefill over the paged context),
 add_rms_norm and rotary_embedding are Triton kernels; the products are cuBLAS's
 (`F.linear`); the rest is the PyTorch twin on the device.
 
+With `batch_invariant` the CPU backend runs each product in one kernel at every row
+count and attention per query row (see cpu.cpu_ops): a request's results then do not
+depend on its batch.
+
 `select_ops(kernel_backend, dtype)` builds the `Ops` a model is constructed
 with; layers call `self.ops.<primitive>` and never ask which CPU they run on.
 Every kernel is tested against its twin (tests/kernels/test_cpu_kernels.py,

@@ -188,10 +188,13 @@ def test_seeded_sampling_and_speculative_decoding(tiny_llama):
     sampled = [alone(plain, [p], s)[0] for p, s in zip(prompts, seeded, strict=True)]
     outs = plain.generate([{"prompt_token_ids": p} for p in prompts], seeded, use_tqdm=False)
     assert [result(o) for o in outs] == sampled
-    llm = engine(tiny_llama, speculative_config=NGRAM, max_num_batched_tokens=64)
-    assert together(llm, prompts) == reference
-    stats = llm.llm_engine.get_stats().spec_decoding
-    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0
+    draft = {"method": "draft", "model": tiny_llama, "quantization": "q8_0",
+             "num_speculative_tokens": 3, "disable_by_batch_size": 64}  # fmt: skip
+    for spec in (NGRAM, draft):
+        llm = engine(tiny_llama, speculative_config=spec, max_num_batched_tokens=64)
+        assert together(llm, prompts) == reference, spec["method"]
+        stats = llm.llm_engine.get_stats().spec_decoding
+        assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0
 
 
 def test_adapters_in_a_mixed_batch(tiny_llama, tmp_path):
