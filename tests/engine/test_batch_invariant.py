@@ -125,6 +125,18 @@ def test_preemption_recompute_and_swap_change_nothing(tiny_llama):
         assert llm.llm_engine.get_stats().num_preemptions > 0, mode
 
 
+def test_prefixes_read_back_from_the_disk_tier(tiny_llama, tmp_path):
+    prompts = POOL[:12]
+    reference = alone(engine(tiny_llama, enable_prefix_caching=False), prompts)
+    first = engine(tiny_llama, kv_offload_dir=str(tmp_path))
+    assert together(first, prompts) == reference
+    first.llm_engine.kv_tier.flush()
+    first.llm_engine.shutdown()
+    again = engine(tiny_llama, kv_offload_dir=str(tmp_path), max_num_batched_tokens=40)
+    assert together(again, prompts) == reference
+    assert again.llm_engine.get_stats().kv_cache.tier_hit_tokens > 0
+
+
 # ---- every weight format and KV dtype ----------------------------------------------------------
 
 
