@@ -73,7 +73,7 @@ def main() -> None:
             }
             print(f"{fmt} {name}: on/off {median['on'] / median['off']:.3f}")
     report = {
-        "command": " ".join(["python", *sys.argv]),
+        "commands": [" ".join(["python", *sys.argv])],
         "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -83,7 +83,9 @@ def main() -> None:
     if args.output_json:
         if os.path.exists(args.output_json):  # a run of some formats or workloads updates them
             with open(args.output_json) as f:
-                report["results"] = {**json.load(f)["results"], **results}
+                earlier = json.load(f)
+            report["results"] = {**earlier["results"], **results}
+            report["commands"] = earlier.get("commands", []) + report["commands"]
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
 

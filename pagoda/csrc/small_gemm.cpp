@@ -132,15 +132,13 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
 #ifdef PAGODA_HAS_BF16_DOT
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  auto run = [&](const auto* xp, const auto* wp, auto* yp) {
+  auto run = [&]<typename T>(const T* xp, const T* wp, T* yp) {
     const int64_t blocks = N / kRowBlock;
     // Contiguous row ranges per thread: each streams its own part of the weight.
     at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-      rows_pass<std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>, kRowBlock>(
-          xp, wp, bp, yp, M, N, K, b0 * kRowBlock, b1 * kRowBlock);
+      rows_pass<T, kRowBlock>(xp, wp, bp, yp, M, N, K, b0 * kRowBlock, b1 * kRowBlock);
     });
-    rows_pass<std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>, 1>(
-        xp, wp, bp, yp, M, N, K, blocks * kRowBlock, N);  // the N % 4 tail
+    rows_pass<T, 1>(xp, wp, bp, yp, M, N, K, blocks * kRowBlock, N);  // the N % 4 tail
   };
   if (dtype == at::kFloat) {
     run(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>());

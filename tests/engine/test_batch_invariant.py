@@ -54,8 +54,12 @@ def result(output) -> tuple[list[int], list[list[tuple[int, float]]]]:
 
 
 def alone(llm: LLM, prompts, params=GREEDY, **kwargs) -> list:
-    return [result(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False, **kwargs)[0])
-            for p in prompts]  # fmt: skip
+    """Each prompt in a step of its own: the reference. (Every one runs its max_tokens,
+    EOS ignored: a reference of nothing would make every comparison vacuous.)"""
+    got = [result(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False, **kwargs)[0])
+           for p in prompts]  # fmt: skip
+    assert all(len(tokens) == len(top) == params.max_tokens for tokens, top in got)
+    return got
 
 
 def together(llm: LLM, prompts, params=GREEDY, **kwargs) -> list:
