@@ -1,4 +1,4 @@
-"""`pagoda bench throughput | latency | serve | profile`."""
+"""`pagoda bench throughput | latency | roofline | serve | profile`."""
 
 from __future__ import annotations
 
@@ -54,6 +54,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     lat.add_argument("--output-json", default=None)
     add_engine_args(lat)
     lat.set_defaults(func=cmd_latency)
+
+    roof = bsub.add_parser(
+        "roofline",
+        help="each phase (prefill, decode by batch) as a fraction of this machine's limit",
+    )
+    roof.add_argument("--model", default=None)
+    roof.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64])
+    roof.add_argument("--context-len", type=int, default=256, help="decode steps' mean context")
+    roof.add_argument("--prefill-tokens", type=int, default=512, help="the prefill chunk")
+    roof.add_argument("--decode-steps", type=int, default=8, help="timed steps per batch size")
+    roof.add_argument(
+        "--quick", action="store_true", help="fewer repeats, a 256 MiB bandwidth read"
+    )
+    roof.add_argument("--output-json", default=None)
+    roof.add_argument("--plot", default=None, help="PNG roofline chart")
+    add_engine_args(roof)
+    roof.set_defaults(func=cmd_roofline)
 
     prof = bsub.add_parser(
         "profile", help="fit the simulator's step cost model to this machine's engine steps"
@@ -206,4 +223,35 @@ def cmd_latency(ns: argparse.Namespace) -> int:
             {"engine": engine_kwargs, "input_len": ns.input_len, "output_len": ns.output_len},
             rows,
         )
+    return 0
+
+
+def cmd_roofline(ns: argparse.Namespace) -> int:
+    from pagoda.bench import report
+    from pagoda.bench.roofline import format_roofline, run_roofline
+
+    engine_kwargs = _engine_kwargs(ns)
+    found, rows = run_roofline(
+        engine_kwargs,
+        ns.batch_sizes,
+        ns.context_len,
+        ns.prefill_tokens,
+        decode_steps=ns.decode_steps,
+        repeats=2 if ns.quick else 3,
+        read_bytes=(256 if ns.quick else 1024) << 20,
+    )
+    print(format_roofline(found, rows))
+    config = {
+        "engine": engine_kwargs,
+        "batch_sizes": ns.batch_sizes,
+        "context_len": ns.context_len,
+        "prefill_tokens": ns.prefill_tokens,
+        "decode_steps": ns.decode_steps,
+        **found,
+    }
+    if ns.output_json:
+        report.write_json(ns.output_json, config, rows)
+    if ns.plot:
+        model = engine_kwargs["model"] or "default model"
+        report.plot_roofline(ns.plot, found["limits"], rows, f"{model}, {found['limits']['cpu']}")
     return 0

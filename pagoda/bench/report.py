@@ -186,3 +186,41 @@ def plot_latency_cdf(path: str, results: list[dict[str, Any]], title: str) -> No
         ax.grid(alpha=0.3)
         ax.legend()
     _save(plt, fig, path, title)
+
+
+def plot_roofline(
+    path: str, limits: dict[str, Any], rows: list[dict[str, Any]], title: str
+) -> None:
+    """The roofline (log-log): GFLOP/s against arithmetic intensity (FLOP per byte read),
+    one roof per peak (the read-bandwidth slope up to the peak's flat line), each phase a
+    point, drawn in its path's color, labeled with its fraction of its own roof."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 6))
+    bandwidth = limits["read_gbs"]  # GB/s: GFLOP/s per FLOP/byte
+    peaks = dict(limits["peaks_gflops"])
+    if limits.get("bf16_no_amx_gflops"):
+        peaks["bf16 no AMX"] = limits["bf16_no_amx_gflops"]
+    ridges = [p / bandwidth for p in peaks.values()]
+    intensities = [r["intensity"] for r in rows]
+    x = np.geomspace(min(intensities + ridges) / 4, max(intensities + ridges) * 4, 400)
+    colors = dict(zip(peaks, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    used = {r["path"] for r in rows}  # the roofs no phase is held to: thin and dashed
+    for name, peak in peaks.items():
+        unit = "GOP/s" if name == "int8" else "GFLOP/s"
+        style = {"lw": 2.0} if name in used else {"lw": 1.0, "ls": "--"}
+        ax.plot(x, np.minimum(bandwidth * x, peak), color=colors[name], **style,
+                label=f"{name}: {peak:,.0f} {unit}, {bandwidth:.1f} GB/s")  # fmt: skip
+    for r in rows:
+        ax.scatter(r["intensity"], r["achieved_gflops"], color=colors[r["path"]], zorder=3)
+        label = f"{r['phase']} {r['rows']}: {100 * r['fraction']:.0f}%"
+        ax.annotate(label, (r["intensity"], r["achieved_gflops"]), fontsize=8,
+                    textcoords="offset points", xytext=(5, -10))  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte read)")
+    ax.set_ylabel("GFLOP/s (int8: GOP/s)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="lower right")
+    _save(plt, fig, path, title)

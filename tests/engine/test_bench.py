@@ -425,6 +425,152 @@ def test_bench_latency(tiny_llama, tmp_path, capsys):
         assert r["prefill_tok_s"] == pytest.approx(r["batch_size"] * 16 / r["prefill_s"])
 
 
+# ---- roofline: the arithmetic by hand, then end to end ----------------------------------------
+
+
+def test_roofline_limit_is_the_slower_of_reading_and_computing():
+    from pagoda.bench.roofline import limit_seconds
+
+    # 2 GB at 20 GB/s: 0.1 s; 1 GFLOP at 100 GFLOP/s: 0.01 s.
+    assert limit_seconds(2e9, 1e9, 20.0, 100.0) == (approx(0.1), "memory")
+    # 0.2 GB: 0.01 s; 50 GFLOP at 100 GFLOP/s: 0.5 s.
+    assert limit_seconds(2e8, 50e9, 20.0, 100.0) == (approx(0.5), "compute")
+
+
+def test_roofline_step_bytes_and_flops_by_hand():
+    from pagoda.bench.roofline import ModelCost
+
+    cost = ModelCost(
+        whole_bytes=1000,
+        bytes_per_row=10,
+        linear_macs_per_row=100,
+        lm_head_macs_per_row=50,
+        attention=[(8, None), (8, 4)],  # heads x head_dim 8; the second slides over 4 tokens
+        experts=[],
+        kv_bytes_per_token=32,  # 16 per layer
+        largest_linear=(10, 10),
+        weight_format=None,
+    )
+    # Two sequences of context 3 and 6: layer 1 reads 3 + 6 tokens, layer 2 3 + 4.
+    assert cost.step_bytes(2, [3, 6]) == 1000 + 2 * 10 + 16 * (3 + 6) + 16 * (3 + 4)
+    # Linears on both rows, the lm_head on both, attention 2 x 8 MACs per context token.
+    assert cost.step_flops([3, 6], 2) == 2 * (2 * 100 + 2 * 50 + 16 * (3 + 6) + 16 * (3 + 4))
+    assert cost.step_flops([3, 6], 1) == cost.step_flops([3, 6], 2) - 2 * 50
+    # MoE: 4 experts of 100 bytes and 7 MACs, top 2: one row reads 2 of them, three rows 4.
+    moe = ModelCost(**{**cost.to_json(), "experts": [(4, 2, 100, 7)]})
+    assert moe.step_bytes(1, []) - cost.step_bytes(1, []) == 2 * 100
+    assert moe.step_bytes(3, []) - cost.step_bytes(3, []) == 4 * 100
+    assert moe.step_flops([1], 1) - cost.step_flops([1], 1) == 2 * 2 * 7
+
+
+def test_roofline_int8_rows_follow_the_kernel_layer():
+    from types import SimpleNamespace
+
+    from pagoda.bench.roofline import int8_max_rows
+    from pagoda.ops.cpu import QUANT_LINEAR_MAX_ROWS, W8A8_INT_MAX_ROWS
+
+    on = SimpleNamespace(int8_activations=True, batch_invariant=False)
+    assert int8_max_rows("q4_1", on, "cpu") == QUANT_LINEAR_MAX_ROWS
+    assert int8_max_rows("w8a8", on, "cpu") == W8A8_INT_MAX_ROWS
+    assert int8_max_rows(None, on, "cpu") == 0  # float weights
+    assert int8_max_rows("q4_1", on, "torch") == 0  # PyTorch alone: dequantized products
+    off = SimpleNamespace(int8_activations=False, batch_invariant=False)
+    assert int8_max_rows("q4_1", off, "cpu") == 0
+    invariant = SimpleNamespace(int8_activations=True, batch_invariant=True)
+    assert int8_max_rows("q4_1", invariant, "cpu") > 1 << 30
+
+
+def test_roofline_bf16_peak_in_a_child_without_amx():
+    """The child process that measures bf16 with oneDNN off AMX tiles (run only where the
+    CPU has AMX; here on any CPU, where the cap changes nothing)."""
+    from pagoda.bench.machine_limits import bf16_gflops_without_amx
+
+    assert bf16_gflops_without_amx((64, 64), 16, 1, 1) > 0
+
+
+def test_bench_roofline(tiny_llama, tmp_path, capsys):
+    from safetensors import safe_open
+
+    from pagoda.bench.roofline import limit_seconds
+
+    out, png = tmp_path / "roof.json", tmp_path / "roof.png"
+    argv = ["bench", "roofline", "--batch-sizes", "1,2", "--context-len", "24"]
+    argv += ["--prefill-tokens", "32", "--decode-steps", "3", "--quick"]
+    argv += ["--output-json", str(out), "--plot", str(png)]
+    assert main([*argv, *_engine_flags(tiny_llama)]) == 0
+    assert "of limit" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    rows, model, limits = doc["results"], doc["config"]["model"], doc["config"]["limits"]
+    assert [(r["phase"], r["rows"]) for r in rows] == [
+        ("prefill", 32),
+        ("decode", 1),
+        ("decode", 2),
+    ]
+
+    # The weights, independently: every tensor of the checkpoint in float32, the
+    # embedding (untied) for the rows used only, and rope's cos and sin rows (head_dim / 2
+    # floats each) per row.
+    with safe_open(f"{tiny_llama}/model.safetensors", framework="pt") as f:
+        sizes = {name: f.get_tensor(name).numel() * 4 for name in f.keys()}  # noqa: SIM118
+    with open(f"{tiny_llama}/config.json") as f:
+        cfg = json.load(f)
+    hidden, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    head_dim, kv_heads = hidden // heads, cfg["num_key_value_heads"]
+    assert model["whole_bytes"] == sum(sizes.values()) - sizes["model.embed_tokens.weight"]
+    assert model["bytes_per_row"] == hidden * 4 + head_dim * 4
+    assert model["kv_bytes_per_token"] == layers * 2 * kv_heads * head_dim * 4
+    assert model["weight_format"] is None
+    # FLOPs of the 32-token prefill: the layers' linears on every row, the lm_head on the
+    # one sampled, attention over 1..32 tokens.
+    macs = hidden * (heads + 2 * kv_heads) * head_dim + hidden * hidden  # q, k, v, o
+    macs += 3 * hidden * cfg["intermediate_size"]  # gate, up, down
+    attention = 2 * 2 * heads * head_dim * layers * (32 * 33 // 2)
+    assert rows[0]["flops"] == 2 * (32 * layers * macs + hidden * cfg["vocab_size"]) + attention
+
+    for r in rows:
+        assert r["measured_ms"] > 0 and r["limit_ms"] > 0 and r["fraction"] > 0
+        assert r["bound"] in ("memory", "compute") and r["path"] == "fp32"  # no int8 in fp32
+        assert r["limit_ms"] == approx(max(r["memory_ms"], r["compute_ms"]))
+        assert r["tok_s"] == approx(r["rows"] / r["measured_ms"] * 1000)
+        # The JSON holds all it takes to recompute the limit and the fraction.
+        seconds, bound = limit_seconds(
+            r["bytes"], r["flops"], limits["read_gbs"], limits["peaks_gflops"][r["path"]]
+        )
+        assert (1000 * seconds, bound) == (approx(r["limit_ms"]), r["bound"])
+        assert r["fraction"] == approx(r["limit_ms"] / r["measured_ms"])
+    for r in rows[1:]:  # decode: the weights, a row each, every sequence's context of K/V
+        batch, context = r["rows"], r["context"]
+        assert 24 <= context <= 25  # the timed steps' mean: context_len, or half a token over
+        expected = model["whole_bytes"] + batch * model["bytes_per_row"]
+        expected += model["kv_bytes_per_token"] * batch * context
+        assert r["bytes"] == approx(expected)
+
+    assert limits["read_gbs"] > 0 and limits["peaks_gflops"]["bf16"] > 0
+    assert limits["peaks_gflops"]["fp32"] > 0 and limits["gemm_shape"] == [256, 64]
+    assert ("int8" in limits["peaks_gflops"]) != bool(limits["int8_missing"])
+    if limits["flags"]["amx_tile"]:
+        assert limits["bf16_no_amx_gflops"] > 0
+    else:
+        assert limits["bf16_no_amx_gflops"] is None and "no AMX" in limits["no_amx_note"]
+    assert {"command", "machine", "versions"} <= set(doc) and png.stat().st_size > 1000
+
+
+def test_bench_roofline_quantized_paths(tiny_llama):
+    """q4_1 blocks in bf16: decode at 1-2 rows runs on integers (where the kernels are
+    built), the 32-row prefill on the dequantized weight's bf16 GEMM."""
+    from pagoda.bench.roofline import run_roofline
+
+    kwargs = dict(model=tiny_llama, dtype="bfloat16", quantization="int4")
+    kwargs["kv_cache_memory_bytes"] = 16 << 20
+    found, rows = run_roofline(
+        kwargs, [1, 2], 24, 32, decode_steps=2, repeats=1, read_bytes=64 << 20
+    )
+    assert found["model"]["weight_format"] == "q4_1"
+    decode_path = "int8" if "int8" in found["limits"]["peaks_gflops"] else "bf16"
+    assert [r["path"] for r in rows] == ["bf16", decode_path, decode_path]
+    assert found["limits"]["int8_format"] == "q4_1"  # the model's own weight was measured
+
+
 # ---- end to end: serve, against a real server -------------------------------------------------
 
 
