@@ -98,6 +98,11 @@ class EngineArgs:
     # grammars constrain only what follows it (vLLM's name; see pagoda.engine.reasoning).
     reasoning_parser: str | None = None
     task: str = "auto"  # auto | generate | embed | classify | score (model_executor/tasks.py)
+    # Fields laid over the model's config.json (vLLM's --hf-overrides), e.g. Qwen3-Reranker
+    # as its card gives it: {"architectures": ["Qwen3ForSequenceClassification"],
+    # "classifier_from_token": ["no", "yes"]}: a classifier whose labels are those tokens'
+    # logits (pagoda.worker.model_setup.classifier_head).
+    hf_overrides: dict[str, Any] | None = None
     # Speculative decoding (see SpeculativeConfig), e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; None: off.
     speculative_config: dict[str, Any] | None = None
@@ -232,6 +237,10 @@ class EngineArgs:
             )
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(
+                f"hf_overrides must be a JSON object of config fields, got {self.hf_overrides!r}."
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
         utilization = self.gpu_memory_utilization
@@ -293,7 +302,7 @@ class EngineArgs:
         from pagoda.model_executor import model_loader
 
         path, is_gguf = model_files.resolve_model(self.model)
-        hf_config = model_loader.load_hf_config(path, is_gguf)
+        hf_config = self._hf_config(path, is_gguf)
         model_loader.check_architecture(hf_config, path)
         arch = hf_config["architectures"][0]
         model_needs = needs(arch)
@@ -365,15 +374,19 @@ class EngineArgs:
                 raise ValueError("device 'cuda': torch sees no CUDA device.")
             return "cpu"
         if self.device == "auto":
-            from pagoda.model_executor import model_loader
-
             path, is_gguf = model_files.resolve_model(self.model)
-            refusal = cuda_refusal(self, model_loader.load_hf_config(path, is_gguf))
+            refusal = cuda_refusal(self, self._hf_config(path, is_gguf))
             if refusal is not None:
                 if warn:
                     logger.warning("device auto: %s; running on the CPU.", refusal)
                 return "cpu"
         return "cuda"
+
+    def _hf_config(self, path: str, is_gguf: bool) -> dict[str, Any]:
+        """The model's config (from its folder or GGUF metadata), `hf_overrides` laid over."""
+        from pagoda.model_executor import model_loader
+
+        return {**model_loader.load_hf_config(path, is_gguf), **(self.hf_overrides or {})}
 
     def _draft_model_config(
         self, target: ModelConfig, spec: SpeculativeConfig | None

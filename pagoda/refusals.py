@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pagoda.model_executor.models import (
     BASE_MODEL,
     BIDIRECTIONAL,
+    CLASSIFIER,
     EXPERTS,
     LATENT_ATTENTION,
     NORMS_ACROSS_HEADS,
@@ -44,7 +45,9 @@ def cuda_refusal(args: EngineArgs, hf_config: dict[str, Any]) -> str | None:
         "kv_cache_dtype": args.kv_cache_dtype != "auto",
         "enable_lora": args.enable_lora,
         "tensor_parallel_size": args.tensor_parallel_size * args.pipeline_parallel_size > 1,
-        "model": bool(needs(arch) & {EXPERTS, LATENT_ATTENTION, VISION, BIDIRECTIONAL, BASE_MODEL}),
+        "model": bool(
+            needs(arch) & {EXPERTS, LATENT_ATTENTION, VISION, BIDIRECTIONAL, BASE_MODEL, CLASSIFIER}
+        ),
         "task": args.task not in ("auto", "generate"),  # pooling: CPU-tested only
         "speculative_config": (args.speculative_config or {}).get("method")
         in ("draft", "draft_model"),
@@ -70,7 +73,7 @@ def check_parallel(args: EngineArgs, hf_config: dict[str, Any]) -> None:
     if args.enable_lora:
         raise ValueError(f"{name} > 1: LoRA adapters are not split across workers yet.")
     model_needs = needs(arch)
-    if model_needs & {VISION, BIDIRECTIONAL}:
+    if model_needs & {VISION, BIDIRECTIONAL, CLASSIFIER}:
         raise ValueError(f"{name} > 1: {arch} is not split across workers yet.")
     if tp > 1 and NORMS_ACROSS_HEADS in model_needs:
         raise ValueError(

@@ -382,7 +382,7 @@ class ModelRunner:
             if p.task == "embed":
                 pooled[r.request_id] = self.pooler.embed(rows, p)
             else:
-                logits = self.model.classify(rows[:1])[0]
+                logits = self.model.classify(rows)[0]
                 pooled[r.request_id] = classifier_output(logits, p.task)
         return pooled or None
 

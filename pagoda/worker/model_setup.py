@@ -12,7 +12,9 @@ from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.model_executor import model_loader
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.mla import MLAttention
-from pagoda.model_executor.models import BASE_MODEL, model_class, needs
+from pagoda.model_executor.models import BASE_MODEL, BIDIRECTIONAL, CLASSIFIER, model_class, needs
+from pagoda.model_executor.quantization import QuantizedWeight
+from pagoda.ops import TORCH_OPS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,15 +29,71 @@ def load_model(mc: ModelConfig, ops, parallel: ParallelContext = SINGLE) -> torc
     weights = model_loader.iter_weights(
         mc.path, mc.is_gguf, mc.hf_config, mc.quantization, mc.keep_full_precision
     )
-    if BASE_MODEL in needs(mc.architecture):  # a decoder saved without its LM head
-        model.lm_head = None  # (it embeds only)
+    model_needs = needs(mc.architecture)
+    from_tokens = mc.hf_config.get("classifier_from_token")
+    decoder_classifier = CLASSIFIER in model_needs and BIDIRECTIONAL not in model_needs
+    if BASE_MODEL in model_needs or (decoder_classifier and not from_tokens):
+        model.lm_head = None  # a decoder saved without its LM head: it embeds or classifies
     # A decoder's base model saved alone (sentence-transformers' embedding models) names
     # its weights without the "model." that the causal LM puts before them.
     bare = ("layers.", "embed_tokens.", "norm.")
     weights = (("model." + n if n.startswith(bare) else n, w) for n, w in weights)
+    head: dict[str, torch.Tensor] = {}
+    if decoder_classifier:  # its head ("score") is not a causal LM's: kept aside
+        weights = _diverted(weights, "score.weight", head)
     model.load_weights(weights, DTYPES[mc.dtype])
+    if decoder_classifier:
+        model.score = classifier_head(mc, model, head.get("score.weight"))
+        model.lm_head = None  # (logits of the whole vocabulary are never asked of it)
     _release_free_memory()  # the loader's scratch (file parses, repacking) goes back
     return model.eval()
+
+
+def _diverted(weights, name: str, into: dict):
+    """`weights` without the one called `name`, which goes into `into`."""
+    for n, w in weights:
+        if n == name:
+            into[n] = w
+        else:
+            yield n, w
+
+
+def classifier_head(mc: ModelConfig, model: torch.nn.Module, score) -> torch.Tensor:
+    """A decoder classifier's head [labels, hidden] in the model's dtype: its checkpoint's
+    `score.weight`, or, with `classifier_from_token` in the config (Qwen3-Reranker as
+    vLLM serves it: ["no", "yes"]), the LM head's rows of those tokens, so that label i's
+    logit is token i's and a pair's score, the softmax's last label, is P("yes")."""
+    dtype = DTYPES[mc.dtype]
+    tokens = mc.hf_config.get("classifier_from_token")
+    if not tokens:
+        if score is None:
+            raise ValueError(f"{mc.model}: {mc.architecture} has no score.weight (its classifier).")
+        return (
+            score if isinstance(score, torch.Tensor) else TORCH_OPS.dequantize(score, dtype)
+        ).to(dtype)
+    from pagoda.model_executor.model_files import load_tokenizer
+
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(
+            f"hf_overrides: classifier_from_token must be a list of tokens, got {tokens!r}."
+        )
+    tokenizer = load_tokenizer(mc.path, mc.is_gguf)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    unknown = [
+        t for t, i in zip(tokens, ids, strict=True) if i is None or i == tokenizer.unk_token_id
+    ]
+    if unknown:
+        raise ValueError(
+            f"hf_overrides: classifier_from_token {unknown} are not tokens of {mc.model}."
+        )
+    lm_head = model.lm_head
+    if lm_head.qweight is None:
+        return lm_head.weight.detach()[ids].to(dtype).clone()
+    q = lm_head.qweight
+    rows = QuantizedWeight(
+        q.format, *(None if t is None else t[ids] for t in (q.qs, q.d, q.m, q.qh))
+    )
+    return TORCH_OPS.dequantize(rows, dtype)
 
 
 def kv_cache_shape(model: torch.nn.Module) -> KVShape:

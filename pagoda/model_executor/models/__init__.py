@@ -15,7 +15,7 @@ LATENT_ATTENTION = "latent_attention"  # MLA: one latent row a token in the cach
 VISION = "vision"  # an image encoder feeding the decoder
 NORMS_ACROSS_HEADS = "norms_across_heads"  # q/k norms over every head at once (OLMoE)
 BIDIRECTIONAL = "bidirectional"  # an encoder: every token sees every other; no KV cache
-CLASSIFIER = "classifier"  # a classifier head on an encoder (cross-encoders)
+CLASSIFIER = "classifier"  # a classifier head: cross-encoders, decoder rerankers
 BASE_MODEL = "base_model"  # a decoder saved without its LM head (embedding models)
 
 # architecture -> (module under pagoda.model_executor.models, class)
@@ -45,6 +45,11 @@ ARCHITECTURES = {
     "MistralModel": ("llama", "MistralForCausalLM"),
     "Qwen2Model": ("llama", "Qwen2ForCausalLM"),
     "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
+    # Decoders with a classifier on their last token (rerankers: Qwen3-Reranker's
+    # sequence-classification form, or its causal LM read by two tokens' logits).
+    "LlamaForSequenceClassification": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForSequenceClassification": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForCausalLM"),
     # Encoders (embeddings), and with a classifier head (cross-encoders: scores).
     "BertModel": ("bert", "BertModel"),
     "ModernBertModel": ("modernbert", "ModernBertModel"),
@@ -66,6 +71,14 @@ NEEDS = {
     "DeepseekV3ForCausalLM": {EXPERTS, LATENT_ATTENTION},
     "LlavaForConditionalGeneration": {VISION},
     **dict.fromkeys(("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"), {BASE_MODEL}),
+    **dict.fromkeys(
+        (
+            "LlamaForSequenceClassification",
+            "Qwen2ForSequenceClassification",
+            "Qwen3ForSequenceClassification",
+        ),
+        {CLASSIFIER},
+    ),
     "BertModel": {BIDIRECTIONAL},
     "ModernBertModel": {BIDIRECTIONAL},
     "RobertaModel": {BIDIRECTIONAL},

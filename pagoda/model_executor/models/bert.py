@@ -210,10 +210,11 @@ class BertForSequenceClassification(nn.Module):
     def forward(self, input_ids, positions, inputs_embeds=None, token_type_ids=None):
         return self.encoder(input_ids, positions, inputs_embeds, token_type_ids)
 
-    def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
-        """[prompts, hidden] hidden states of each prompt's first token -> logits."""
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
+        """One prompt's hidden states [T, hidden] -> logits [1, labels], from its first
+        token ([CLS])."""
         head = self.head
-        return head.classifier(torch.tanh(head.pooler.dense(first_tokens)))
+        return head.classifier(torch.tanh(head.pooler.dense(rows[:1])))
 
     def build_decode_loop(self) -> int:
         return 0
@@ -258,6 +259,6 @@ class RobertaForSequenceClassification(BertForSequenceClassification):
         head.classifier.out_proj = Linear(hidden, self.num_labels, True, ops)
         return head
 
-    def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
         c = self.head.classifier
-        return c.out_proj(torch.tanh(c.dense(first_tokens)))
+        return c.out_proj(torch.tanh(c.dense(rows[:1])))

@@ -293,6 +293,16 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    # A classifier on the last token [labels, hidden] (sequence-classification decoders,
+    # rerankers); set by pagoda.worker.model_setup.classifier_head. None: none.
+    score: torch.Tensor | None = None
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
+        """One prompt's hidden states [T, hidden] -> its classifier's logits [1, labels]:
+        the last token's, as transformers' *ForSequenceClassification read a causal model
+        (its last token is the only one that has seen the whole prompt)."""
+        return nn.functional.linear(rows[-1:].to(self.score.dtype), self.score)
+
     def adapt_weight(self, name: str, w: torch.Tensor | QuantizedWeight):
         """A checkpoint weight (under the module's name) as the module computes with it:
         unchanged, unless a family says otherwise (DeepSeek's interleaved rope rows)."""

@@ -1,0 +1,156 @@
+"""Decoder classifiers and rerankers against transformers on the same weights: a
+*ForSequenceClassification decoder (its `score` head on the last token; Qwen3-Reranker's
+seq-cls form), and a causal LM read by two tokens' logits through `hf_overrides`
+(Qwen3-Reranker as its card serves it with vLLM), beside generation requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda import LLM, PoolingParams, SamplingParams
+from tests.helpers import ENCODER_TEXTS, finish_all, make_model, tiny_prompts
+
+QUERY = "the quick brown fox"
+DOCUMENTS = ENCODER_TEXTS[1:] + ["a fox jumps over the dog"]
+
+
+def save_classifier(causal: str, folder: str, cls_name: str, num_labels: int) -> str:
+    """The causal LM's body under a random classifier head of `num_labels`, saved as
+    transformers' `cls_name` (with its tokenizer)."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(causal, num_labels=num_labels)
+    config.pad_token_id = config.eos_token_id
+    torch.manual_seed(1)
+    model = getattr(transformers, cls_name).from_pretrained(causal, config=config)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)  # scores spread over (0, 1): rankings differ
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(causal).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rerankers")
+    qwen3 = make_model(str(root / "qwen3"), "qwen3")
+    llama = make_model(str(root / "llama"), "llama")
+    return {
+        "qwen3": qwen3,
+        "qwen3-seq-cls": save_classifier(
+            qwen3, str(root / "q3cls"), "Qwen3ForSequenceClassification", 1
+        ),
+        "llama-3-labels": save_classifier(
+            llama, str(root / "l3"), "LlamaForSequenceClassification", 3
+        ),
+    }
+
+
+def hf_logits(folder: str, cls_name: str, pairs) -> torch.Tensor:
+    """transformers' logits of each (text_1, text_2) pair, tokenized as a pair, alone."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    model = getattr(transformers, cls_name).from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.inference_mode():
+        return torch.stack(
+            [model(torch.tensor([tok(a, b)["input_ids"]])).logits[0, -1] if cls_name.endswith("CausalLM")
+             else model(torch.tensor([tok(a, b)["input_ids"]])).logits[0]
+             for a, b in pairs]
+        )  # fmt: skip
+
+
+def test_sequence_classification_decoder_scores_as_transformers(folders):
+    """Qwen3ForSequenceClassification with one label: a pair's score is the sigmoid of
+    the last token's logit, as transformers computes it (and so CrossEncoder)."""
+    folder = folders["qwen3-seq-cls"]
+    llm = LLM(folder, dtype="float32")
+    assert llm.llm_engine.model_config.tasks == {"classify", "score"}
+    pairs = [(QUERY, d) for d in DOCUMENTS]
+    expected = torch.sigmoid(hf_logits(folder, "Qwen3ForSequenceClassification", pairs)[:, 0])
+    got = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-6)
+    assert np.argsort(got).tolist() == np.argsort(expected.numpy()).tolist()
+    assert len(set(np.round(got, 3))) > 2  # the head spreads them: the ranking means something
+
+
+def test_sequence_classification_decoder_classifies_as_transformers(folders):
+    folder = folders["llama-3-labels"]
+    llm = LLM(folder, dtype="float32")
+    got = [o.outputs.probs for o in llm.classify(ENCODER_TEXTS, use_tqdm=False)]
+    import transformers
+    from transformers import AutoTokenizer
+
+    hf = transformers.LlamaForSequenceClassification.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.inference_mode():
+        expected = [
+            hf(**tok(t, return_tensors="pt")).logits[0].softmax(-1).numpy() for t in ENCODER_TEXTS
+        ]
+    np.testing.assert_allclose(got, expected, atol=1e-5)  # (float32 sums in another order)
+
+
+def test_causal_lm_reranker_by_two_tokens_logits(folders):
+    """Qwen3-Reranker served as its card serves it with vLLM: the causal LM, with
+    hf_overrides naming Qwen3ForSequenceClassification and classifier_from_token
+    [no, yes]; a pair's score is softmax([logit(no), logit(yes)])[yes] at its last
+    token, as the card computes it with transformers. Beside generation requests on
+    another engine of the same weights, which it does not change."""
+    folder = folders["qwen3"]
+    llm = LLM(folder, dtype="float32")
+    vocab = llm.get_tokenizer().convert_ids_to_tokens(list(range(100, 102)))
+    no, yes = vocab
+    reranker = LLM(
+        folder,
+        dtype="float32",
+        hf_overrides={
+            "architectures": ["Qwen3ForSequenceClassification"],
+            "classifier_from_token": [no, yes],
+            "is_original_qwen3_reranker": True,
+        },
+    )
+    pairs = [(QUERY, d) for d in DOCUMENTS]
+    logits = hf_logits(folder, "Qwen3ForCausalLM", pairs)[:, [100, 101]]
+    expected = logits.softmax(-1)[:, 1].numpy()
+    got = [o.outputs.score for o in reranker.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    probs = [o.outputs.probs for o in reranker.classify(DOCUMENTS, use_tqdm=False)]
+    assert np.allclose(np.sum(probs, 1), 1) and len(probs[0]) == 2
+    # The generation engine on the same folder is untouched by the overrides.
+    prompts = tiny_prompts(llm.get_tokenizer(), n=2, seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    assert all(o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False))  # fmt: skip
+
+
+def test_reranker_requests_batch_with_each_other_and_free_their_blocks(folders):
+    """Scores of pairs added together, stepped as one batch, equal each scored alone."""
+    llm = LLM(folders["qwen3-seq-cls"], dtype="float32", kv_cache_memory_bytes=1 << 24)
+    alone = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    engine = llm.llm_engine
+    for i, d in enumerate(DOCUMENTS):
+        engine.add_request(f"s{i}", {"text_1": QUERY, "text_2": d}, PoolingParams(task="score"))
+    finals = finish_all(engine)
+    got = [float(finals[f"s{i}"].outputs.data[0]) for i in range(len(DOCUMENTS))]
+    np.testing.assert_allclose(got, alone, atol=1e-6)
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0 and not engine.scheduler.requests
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"architectures": ["Qwen3ForSequenceClassification"],
+          "classifier_from_token": ["no-such-token-anywhere"]}, "classifier_from_token"),
+        ({"architectures": ["Qwen3ForSequenceClassification"],
+          "classifier_from_token": "yes"}, "classifier_from_token"),
+        ({"architectures": ["Qwen3ForSequenceClassification"]}, "score.weight"),
+        (["not", "a", "dict"], "hf_overrides"),
+    ],
+)  # fmt: skip
+def test_bad_overrides_are_refused_by_name(folders, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(folders["qwen3"], dtype="float32", hf_overrides=overrides)
