@@ -4,6 +4,8 @@ llama.py, qwen.py, gemma.py, phi.py, granite.py; keys, tensor names, q/k permuta
 Gemma's +1 norms, Phi-3's fused tensors, F32 norms and biases), with the folder's own
 byte-level BPE tokenizer as a "gpt2" vocabulary. What the converter leaves out (Gemma's
 query_pre_attn_scalar and window pattern, SmolLM3's NoPE layers) is left out here too.
+BERT embedding models as bert.py writes them: write_bert_gguf (its WordPiece vocabulary
+respelled as a "bert" one).
 """
 
 from __future__ import annotations
@@ -278,3 +280,124 @@ def _deepseek_layer(add, w: dict, p: str, i: int, cfg: dict) -> None:
         key = f"{p}mlp.shared_experts.{hf}.weight"
         if key in w:
             add(f"blk.{i}.ffn_{gg}_shexp.weight", w[key], key)
+
+
+# ---- BERT embedding models (llama.cpp's conversion/bert.py, BertModel) ---------------------------
+
+_POOLING_TYPES = {"mean": 1, "mean_tokens": 1, "cls": 2, "cls_token": 2, "lasttoken": 3}
+
+
+def _bert_pooling(folder: str) -> int | None:
+    """llama.cpp's pooling_type from a sentence-transformers folder's Pooling module (its
+    mode as sentence-transformers 5+ writes it, or the older flags), None without one."""
+    modules = os.path.join(folder, "modules.json")
+    if not os.path.isfile(modules):
+        return None
+    with open(modules) as f:
+        paths = [m["path"] for m in json.load(f) if m["type"].endswith("Pooling")]
+    if not paths:
+        return None
+    with open(os.path.join(folder, paths[0], "config.json")) as f:
+        config = json.load(f)
+    mode = config.get("pooling_mode") or next(
+        k.removeprefix("pooling_mode_") for k, on in config.items() if k.startswith("pooling_mode_") and on
+    )  # fmt: skip
+    return _POOLING_TYPES[mode]
+
+
+def _bert_vocab(writer, folder: str, type_vocab_size: int) -> int:
+    """The WordPiece vocabulary as BertModel.set_vocab writes it: control tokens (the
+    special ones) as they are, every other token respelled for llama.cpp's phantom-space
+    matcher ("##" continuations lose their "##", word starts gain "▁"); the special
+    ids by the gguf package's SpecialVocab, as the converter sets them."""
+    from gguf import SpecialVocab, TokenType
+
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = dict(tok["model"]["vocab"])
+    kinds = {}
+    for t in tok["added_tokens"]:
+        vocab[t["content"]] = t["id"]
+        kinds[t["id"]] = TokenType.CONTROL if t.get("special") else TokenType.USER_DEFINED
+    tokens = [""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        tokens[i] = token
+    types = [kinds.get(i, TokenType.NORMAL) for i in range(len(tokens))]
+    spelled = [
+        t if kind == TokenType.CONTROL else (t[2:] if t.startswith("##") else "\u2581" + t)
+        for t, kind in zip(tokens, types, strict=True)
+    ]
+    writer.add_token_type_count(type_vocab_size)
+    writer.add_tokenizer_model("bert")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(spelled)
+    writer.add_token_types(types)
+    SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    return len(tokens)
+
+
+def write_bert_vocab_gguf(path: str, folder: str) -> str:
+    """Only a BERT tokenizer folder's vocabulary (the converter's --vocab-only)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, "bert")
+    _bert_vocab(writer, folder, 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def write_bert_gguf(
+    path: str, folder: str, qtype: str | None = None, pooling: int | None = None
+) -> str:
+    """A BERT folder (plain or sentence-transformers) as llama.cpp's converter writes it:
+    general.architecture "bert", its keys (causal attention off, the Pooling module's
+    pooling_type, or `pooling`), tensors under gguf-py's BERT names (its TensorNameMap,
+    as the converter maps them; no pooler), 1-D tensors, norms, the position and
+    token-type tables in F32, the other matrices in `qtype` ("F16", or a GGUF block
+    type such as "Q8_0")."""
+    from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    writer = GGUFWriter(path, "bert")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_layer_norm_eps(cfg["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    pooling = _bert_pooling(folder) if pooling is None else pooling
+    if pooling is not None:
+        writer.add_uint32("bert.pooling_type", pooling)
+    _bert_vocab(writer, folder, cfg.get("type_vocab_size", 1))
+    names = get_tensor_name_map(MODEL_ARCH.BERT, cfg["num_hidden_layers"])
+    for hf_name, tensor in weights.items():
+        hf_name = hf_name.removeprefix("bert.")
+        if hf_name.startswith("pooler.") or hf_name.endswith("position_ids"):
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        x = np.ascontiguousarray(tensor.float().numpy())
+        f32 = (
+            x.ndim < 2
+            or name.endswith("_norm.weight")
+            or name.startswith(("position_embd.", "token_types."))
+        )
+        if qtype is None or f32:
+            writer.add_tensor(name, x)
+        elif qtype == "F16" or x.shape[-1] % 32:  # (rows that fit no block: F16)
+            writer.add_tensor(name, x.astype(np.float16))
+        else:
+            t = GGMLQuantizationType[qtype]
+            writer.add_tensor(name, quantize(x, t), raw_dtype=t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

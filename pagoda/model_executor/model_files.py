@@ -58,23 +58,33 @@ def load_tokenizer(path: str, is_gguf: bool):
         cached = tokenizer_cache_dir(path)
         if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
             return AutoTokenizer.from_pretrained(cached)
-        folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        except ValueError as e:
-            if "architecture" not in str(e):
-                raise
-            # transformers reads the file's model config first and knows fewer
-            # architectures than pagoda (granite, smollm3, deepseek2); the vocabulary
-            # itself is a kind it builds (gpt2, llama, ...).
-            from transformers import PreTrainedTokenizerFast
-
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+        tokenizer = _gguf_tokenizer(path)
         with contextlib.suppress(OSError):  # a read-only cache only costs time
             tokenizer.save_pretrained(cached)
         return tokenizer
     except Exception as e:
         raise ValueError(f"cannot load the tokenizer of {path!r}: {e}") from e
+
+
+def _gguf_tokenizer(path: str):
+    from pagoda.model_executor.gguf_tokenizer import gguf_string_field, wordpiece_tokenizer
+
+    if gguf_string_field(path, "tokenizer.ggml.model") == "bert":
+        return wordpiece_tokenizer(path)  # (BERT's respelled WordPiece: not transformers')
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError as e:
+        if "architecture" not in str(e):
+            raise
+        # transformers reads the file's model config first and knows fewer
+        # architectures than pagoda (granite, smollm3, deepseek2); the vocabulary
+        # itself is a kind it builds (gpt2, llama, ...).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
 
 
 def tokenizer_cache_dir(gguf_path: str) -> str:
