@@ -1,0 +1,89 @@
+"""GGUF files of BERT embedding models as llama.cpp's converter writes them (all-MiniLM,
+bge, e5, ...; `general.architecture` bert): their config from llama.cpp's keys, their
+tensors under BertModel's names. BERT's tensors are written one to one, norms and
+biases in F32, the position and token-type tables always F32, the other matrices in
+the file's type (quantized blocks kept as blocks, as gguf_loader keeps a decoder's).
+The vocabulary's respelling is undone in gguf_tokenizer.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_BERT_TOP = {
+    "token_embd": "embeddings.word_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "position_embd": "embeddings.position_embeddings",
+    "token_embd_norm": "embeddings.LayerNorm",
+}
+_BERT_LAYER = {
+    "attn_q": "attention.self.query",
+    "attn_k": "attention.self.key",
+    "attn_v": "attention.self.value",
+    "attn_output": "attention.output.dense",
+    "attn_output_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense",
+    "ffn_down": "output.dense",
+    "layer_output_norm": "output.LayerNorm",
+}
+# llama.cpp's pooling_type -> pagoda's pooling method. 0 (none: per-token states) and an
+# absent key leave the family's default, the [CLS] token; 4 (rank) is refused.
+_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
+
+def bert_config(meta) -> dict[str, Any]:
+    """A BERT embedding model's config from llama.cpp's keys; the table sizes from the
+    tables themselves (GGUF shapes list the row length first)."""
+    where = "GGUF bert file"
+    vocab_kind = meta.fields.get("tokenizer.ggml.model")
+    if vocab_kind != "bert":
+        raise ValueError(
+            f"{where}: tokenizer.ggml.model {vocab_kind!r} is not supported; only BERT's "
+            "WordPiece vocabulary ('bert') is (RoBERTa's and XLM-R's conversions are not)."
+        )
+    if meta.get("attention.causal", False):
+        raise ValueError(f"{where}: bert.attention.causal is true; BERT attends both ways.")
+    if "blk.0.attn_qkv.weight" in meta.tensors:
+        raise ValueError(f"{where}: a fused attn_qkv is not supported (attn_q/k/v are).")
+    pooling = int(meta.get("pooling_type", 0))
+    if pooling not in (0, *_POOLING_TYPES):
+        raise ValueError(
+            f"{where}: bert.pooling_type {pooling} is not supported (1 mean, 2 cls, 3 last"
+            "; 4, rank, is a reranker's head)."
+        )
+
+    def rows(name: str, default: int) -> int:
+        t = meta.tensors.get(name)
+        return default if t is None else int(t.shape[-1])
+
+    config = {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "hidden_size": int(meta.get("embedding_length")),
+        "intermediate_size": int(meta.get("feed_forward_length")),
+        "num_hidden_layers": int(meta.get("block_count")),
+        "num_attention_heads": int(meta.get("attention.head_count")),
+        "layer_norm_eps": float(meta.get("attention.layer_norm_epsilon", 1e-12)),
+        "hidden_act": "gelu",  # (not written: BERT's, and the BERT family's embedders')
+        "vocab_size": rows("token_embd.weight", 0),
+        "max_position_embeddings": rows(
+            "position_embd.weight", int(meta.get("context_length", 512))
+        ),
+        "type_vocab_size": rows(
+            "token_types.weight", int(meta.fields.get("tokenizer.ggml.token_type_count", 2))
+        ),
+        "pad_token_id": meta.fields.get("tokenizer.ggml.padding_token_id", 0),
+    }
+    if pooling:
+        config["pooling_method"] = _POOLING_TYPES[pooling]
+    return config
+
+
+def bert_name(name: str) -> str | None:
+    """BertModel's name for a tensor of llama.cpp's BERT, or None (not an encoder's)."""
+    stem, _, suffix = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        mapped = _BERT_LAYER.get(part)
+        return f"encoder.layer.{layer}.{mapped}.{suffix}" if mapped else None
+    mapped = _BERT_TOP.get(stem)
+    return f"{mapped}.{suffix}" if mapped else None
