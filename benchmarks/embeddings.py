@@ -1,6 +1,7 @@
 """Embeddings per second: pagoda against sentence-transformers on the same model and CPU,
 in one command. Inputs of exactly `--tokens` tokens (random words, cut by both to the
-same length), `--batch-size` at a time; both in float32, and each also in bfloat16.
+same length), `--batch-size` at a time; both in float32, and each also in bfloat16;
+then pagoda with w8a8 weights (integer products).
 
     python benchmarks/embeddings.py --output-json docs/perf/embeddings.json
 
@@ -87,6 +88,17 @@ def main() -> None:
 
         rows.append(("pagoda", dtype, best_rate(run_pagoda, num, args.repeats)))
         del llm
+    # And pagoda's integer products: int8 weights (one scale per row) and activations
+    # (one per token), oneDNN's VNNI/AMX-INT8 GEMM (bf16 in between).
+    w8a8 = LLM(model, dtype="bfloat16", quantization="w8a8",
+              max_num_batched_tokens=args.batch_size * args.tokens, max_num_seqs=args.batch_size)  # fmt: skip
+    params = PoolingParams(truncate_prompt_tokens=args.tokens)
+
+    def run_w8a8():
+        outs = w8a8.embed(inputs, params, use_tqdm=False)
+        outputs[("pagoda", "bfloat16 + w8a8")] = np.asarray([o.outputs.embedding for o in outs])
+
+    rows.append(("pagoda", "bfloat16 + w8a8", best_rate(run_w8a8, num, args.repeats)))
     reference = outputs[("sentence-transformers", "float32")]
     results = []
     for system, dtype, rate in rows:
@@ -101,7 +113,7 @@ def main() -> None:
             "vs_sentence_transformers_fp32": rate / rows[0][2],
             "min_cosine_vs_sentence_transformers_fp32": float(cos.min()),
         })  # fmt: skip
-        print(f"{system:>22} {dtype:>9}: {rate:8.1f} embeddings/s  {rate / rows[0][2]:5.2f}x  "
+        print(f"{system:>22} {dtype:>15}: {rate:8.1f} embeddings/s  {rate / rows[0][2]:5.2f}x  "
               f"min cosine {cos.min():.6f}")  # fmt: skip
     report = {
         "command": " ".join(["python", *sys.argv]),

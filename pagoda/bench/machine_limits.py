@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from pagoda.bench.report import cpu_name
 from pagoda.model_executor.quantization import PER_CHANNEL, QuantizedWeight
+from pagoda.ops.cpu import cpu_flags
 
-CPU_FLAGS = ("amx_tile", "amx_int8", "amx_bf16", "avx512_bf16", "avx512_vnni")
 # oneDNN's best ISA without AMX tiles: set in a child process, it measures bf16 GEMMs as
 # a CPU without AMX would run them.
 NO_AMX_ISA = "AVX512_CORE_BF16"
@@ -57,18 +57,6 @@ class MachineLimits:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def cpu_flags() -> dict[str, bool]:
-    """Which of CPU_FLAGS /proc/cpuinfo lists (all False where it cannot be read)."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-        flags = set(line.split(":", 1)[-1].split())
-    except OSError:
-        pass
-    return {name: name in flags for name in CPU_FLAGS}
 
 
 def best_seconds(fn: Callable[[], Any], repeats: int) -> float:

@@ -127,13 +127,31 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 # SmolLM2's 30 q4_1 layers (Sapphire Rapids, 2 threads): 3.2 ms at one row, 20 ms at
 # 16 rows either way, then 39 vs 22 ms at 32.
 QUANT_LINEAR_MAX_ROWS = 16
+CPU_FLAGS = ("amx_tile", "amx_int8", "amx_bf16", "avx512_bf16", "avx512_vnni")
+
+
+@functools.cache
+def cpu_flags() -> dict[str, bool]:
+    """Which of CPU_FLAGS /proc/cpuinfo lists (all False where it cannot be read)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+        flags = set(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    return {name: name in flags for name in CPU_FLAGS}
+
+
 # w8a8 weights: VNNI dot products up to this many rows, oneDNN's integer GEMM past
 # it. Measured on SmolLM2's 30 layers (Sapphire Rapids, 2 threads): 12.4 vs 13.0 ms at
 # 8 rows, 17.1 vs 13.7 at 16 (bf16: 28.9 and 23.6). Past W8A8_INT_MAX_ROWS the weight is
-# dequantized for oneDNN's bf16 GEMM, which is faster there: 39 vs 49 ms at 128 rows,
-# 144 vs 140 at 512, 487 vs 215 at 2,048.
+# dequantized for oneDNN's bf16 GEMM where that is faster, on AMX tiles: 39 vs 49 ms at
+# 128 rows, 144 vs 140 at 512, 487 vs 215 at 2,048. Without AMX, oneDNN's integer GEMM
+# (VNNI) stays ahead at every size: 1.3-1.85x bf16's GFLOP/s at 64 to 4,096 rows on
+# 384x1536, 1536x384 and 6144x2048 weights (AMD EPYC, 2 threads), so it runs them all.
 INT8_SMALL_MAX_ROWS = 8
-W8A8_INT_MAX_ROWS = 256
+W8A8_INT_MAX_ROWS = 256 if cpu_flags()["amx_tile"] else 1 << 62
 # Of each adapter segment, the most rows that are a multiple of this go to oneDNN's GEMMs
 # (so they see at most max_num_batched_tokens / 512 distinct M, each of which oneDNN keeps
 # a kernel for, and the expand adds into y in place), and the rest (every segment of a

