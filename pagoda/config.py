@@ -19,6 +19,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # engine/t
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")  # as pagoda.ops has them (no torch here)
 DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA where torch sees a GPU
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # auto: the model's dtype
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # kv_transfer_config's (vLLM's names)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": keep a GGUF file's block-quantized weights quantized; "none": expand every
 # weight to the model's dtype at load; a format (q8_0, q4_0, q4_1, q5_0, q5_1, int8 = q8_0,
@@ -77,6 +78,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     kv_offload_dir: str | None = None  # the disk tier (pagoda.core.kv_tier); None: none
     kv_offload_bytes: int = 0
+    kv_role: str | None = None  # prefill/decode disaggregation: see EngineArgs.kv_transfer_config
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from pagoda.refusals import (
     check_batch_invariant,
     check_cuda,
     check_kv_offload,
+    check_kv_transfer,
     check_parallel,
     cuda_refusal,
 )
@@ -79,6 +80,11 @@ class EngineArgs:
     # restarts and by every server sharing the directory. None: off.
     kv_offload_dir: str | None = None
     kv_offload_bytes: int = 16 << 30
+    # Prefill on one replica, decode on another, the blocks passed through the disk tier
+    # both see (vLLM's field): {"kv_role": "kv_producer"} answers a request only once its
+    # prompt's full blocks are written there; "kv_consumer" and "kv_both" read them as
+    # any tier hit (`pagoda router --policy pd` sends each request through both).
+    kv_transfer_config: dict[str, Any] | None = None
     seed: int = 0
     num_threads: int | None = None
     kernel_backend: str = "auto"
@@ -188,6 +194,7 @@ class EngineArgs:
             isinstance(self.kv_offload_dir, str) and self.kv_offload_dir
         ):
             raise ValueError(f"kv_offload_dir must be a directory, got {self.kv_offload_dir!r}.")
+        check_kv_transfer(self)
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}.")
         if self.max_lora_rank > MAX_LORA_RANK:
@@ -447,6 +454,7 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_offload_dir=self.kv_offload_dir,
             kv_offload_bytes=self.kv_offload_bytes,
+            kv_role=(self.kv_transfer_config or {}).get("kv_role"),
         )
 
     def _lora_config(self) -> LoRAConfig | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagoda.config import KV_ROLES
 from pagoda.model_executor.models import (
     BASE_MODEL,
     BIDIRECTIONAL,
@@ -111,6 +112,28 @@ def check_kv_offload(args: EngineArgs, hf_config: dict[str, Any]) -> None:
     for what, refused in refusals.items():
         if refused:
             raise ValueError(f"kv_offload_dir: not supported with {what} yet.")
+
+
+def check_kv_transfer(args: EngineArgs) -> None:
+    """kv_transfer_config's shape: {"kv_role": one of KV_ROLES}, on a disk tier (the
+    blocks' only transport); raises ValueError naming the field."""
+    config = args.kv_transfer_config
+    if config is None:
+        return
+    if not isinstance(config, dict) or set(config) != {"kv_role"}:
+        raise ValueError(
+            'kv_transfer_config must be {"kv_role": ...} (the blocks travel through the '
+            f"disk tier, kv_offload_dir: no other connector), got {config!r}."
+        )
+    if config["kv_role"] not in KV_ROLES:
+        raise ValueError(
+            f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {config['kv_role']!r}."
+        )
+    if args.kv_offload_dir is None:
+        raise ValueError(
+            "kv_transfer_config: set kv_offload_dir to a directory the prefill and "
+            "decode replicas share (the blocks pass through it)."
+        )
 
 
 def check_batch_invariant(args: EngineArgs, hf_config: dict[str, Any], device: str) -> None:

@@ -106,6 +106,9 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         self.kv_tier = self._open_kv_tier(window)
+        # Prefill for another replica: a finished request's answer waits for its blocks'
+        # files (the decode replica reads them from the shared tier when it is sent on).
+        self.kv_producer = cache_config.kv_role in ("kv_producer", "kv_both")
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache_config.block_size,
@@ -351,6 +354,8 @@ class LLMEngine:
         )
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        if self.kv_producer:  # (requests that finished this step, in the scheduler or here)
+            self.kv_tier.flush()  # their answers wait for their blocks' files
         if self._loras_to_remove:
             self._remove_unused_loras()
         self._record(stats)

@@ -17,7 +17,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if f.name in ("speculative_config", "limit_mm_per_prompt", "hf_overrides"):  # JSON, as vLLM's
+        if f.name in (
+            "speculative_config",
+            "limit_mm_per_prompt",
+            "hf_overrides",
+            "kv_transfer_config",
+        ):  # JSON, as vLLM's
             parser.add_argument(flag, type=json.loads, default=default)
         elif isinstance(default, bool) or f.type == "bool | None":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)

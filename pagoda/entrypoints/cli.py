@@ -250,7 +250,23 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--policy", choices=("prefix", "round-robin", "least-loaded"), default="prefix"
+        "--decode",
+        nargs="+",
+        action="extend",
+        dest="backend",
+        metavar="URL",
+        help="with --policy pd: the decode replicas (the same list as --backend)",
+    )
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help="with --policy pd: the prefill replicas (pagoda serve --kv-transfer-config "
+        '\'{"kv_role": "kv_producer"}\' on a --kv-offload-dir the decode replicas share)',
+    )
+    parser.add_argument(
+        "--policy", choices=("prefix", "round-robin", "least-loaded", "pd"), default="prefix"
     )  # router.POLICIES (not imported here: the CLI starts without the server's packages)
     parser.add_argument(
         "--model",

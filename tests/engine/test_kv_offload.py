@@ -160,3 +160,40 @@ def test_blocks_leave_and_come_back_as_they_were(dtype, num_kv):
     assert dest.data[:, :, [0, 2, 3, 4, 5, 7]].view(torch.uint8).count_nonzero() == 0
     with pytest.raises(ValueError, match="a KV block is"):
         dest.write_blocks([0], [payloads[0][:-1]])
+
+
+def test_prefill_on_a_producer_decode_on_a_consumer(tiny_llama, tmp_path):
+    """kv_transfer_config: a producer's one-token answers come only once the prompts'
+    full blocks are in the shared tier, so a consumer sent the requests right after
+    finds every one of them there (no wait, no retry) and decodes what one engine alone
+    decodes. Two engines in one process, as two replicas on one directory."""
+    from transformers import AutoTokenizer
+
+    prompts = [(p * 4)[: 5 * BS + 3] for p in tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), 6, seed=11)]  # fmt: skip
+    alone = LLM(model=tiny_llama, block_size=BS, kv_cache_memory_bytes=1 << 24)
+    want = [list(o.outputs[0].token_ids) for o in alone.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]  # fmt: skip
+    role = lambda r: dict(model=tiny_llama, block_size=BS, kv_cache_memory_bytes=1 << 24,  # noqa: E731
+                          kv_offload_dir=str(tmp_path), kv_transfer_config={"kv_role": r})  # fmt: skip
+    producer, consumer = LLM(**role("kv_producer")), LLM(**role("kv_consumer"))
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    producer.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
+    outs = consumer.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [5 * BS] * len(prompts)
+    assert consumer.llm_engine.get_stats().kv_cache.tier_hit_tokens == 5 * BS * len(prompts)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(kv_transfer_config={"kv_role": "kv_producer"}), "kv_offload_dir"),
+        (dict(kv_offload_dir="x", kv_transfer_config={"kv_role": "sender"}), "kv_role"),
+        (dict(kv_offload_dir="x", kv_transfer_config={"kv_role": "kv_producer",
+                                                      "kv_connector": "NixlConnector"}),
+         "kv_transfer_config"),
+    ],
+)  # fmt: skip
+def test_kv_transfer_config_is_checked(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(**kwargs).verify()

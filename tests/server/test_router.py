@@ -290,6 +290,46 @@ def test_a_dead_replica_loses_no_request_that_had_not_started(tiny_llama):
             s.stop()
 
 
+def test_prefill_and_decode_on_two_replicas(tiny_llama, tmp_path):
+    """--policy pd: 16 requests at once, each prefilled on the producer (one token,
+    answered once its blocks are in the shared tier), then decoded on the consumer,
+    which finds every full prompt block in the tier: the tokens one replica gives.
+    With the producer dead, the consumer prefills itself (the request is not lost)."""
+    tier = ["--kv-offload-dir", str(tmp_path), "--kv-transfer-config"]
+    producer = RemoteServer(tiny_llama, *tier, '{"kv_role": "kv_producer"}')
+    consumer = RemoteServer(tiny_llama, *tier, '{"kv_role": "kv_consumer"}')
+    router = RemoteRouter([], tiny_llama, "--policy", "pd", "--prefill", producer.url,
+                          "--decode", consumer.url, "--health-check-interval", "60")  # fmt: skip
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(5 * 16 + 3)] for i in range(16)]
+    kwargs = dict(model=tiny_llama, max_tokens=8, temperature=0)
+    try:
+
+        async def all_at_once(client, prompts):
+            return await asyncio.gather(
+                *(client.completions.create(prompt=p, **kwargs) for p in prompts)
+            )
+
+        got = asyncio.run(all_at_once(router.async_client(), prompts))
+        direct = producer.client()  # a replica alone (its cache holds the prompts)
+        want = [direct.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+        assert [r.choices[0].text for r in got] == want
+        m = consumer.metrics()
+        assert m[("pagoda:kv_tier_hit_tokens_total", ())] == 16 * 5 * 16
+        assert m[("pagoda:prefix_cache_hits_total", ())] == 16 * 5 * 16
+        routed = router.metrics()
+        assert routed[("pagoda_router:requests_total", (("replica", producer.url),))] == 16
+        assert routed[("pagoda_router:requests_total", (("replica", consumer.url),))] == 16
+        producer.proc.kill()
+        producer.proc.wait()
+        late = router.client().completions.create(prompt=[5] * 40, **kwargs)
+        assert late.choices[0].text == consumer.client().completions.create(
+            prompt=[5] * 40, **kwargs).choices[0].text  # fmt: skip
+    finally:
+        router.stop()
+        consumer.stop()
+        producer.stop()
+
+
 def test_serve_data_parallel(tiny_llama):
     """`pagoda serve --data-parallel-size 2`: two replicas (a core each) behind the
     prefix router on the one port; SIGTERM stops them all."""

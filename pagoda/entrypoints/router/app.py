@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import httpx
 import prometheus_client as prom
@@ -36,6 +37,7 @@ from pagoda.entrypoints.relay import (
 )
 from pagoda.entrypoints.router.config import RouterConfig
 from pagoda.entrypoints.router.policy import Router
+from pagoda.entrypoints.router.prefill import GENERATION_PATHS, prefill_first
 from pagoda.entrypoints.router.prefix_table import follow_kv_events
 from pagoda.entrypoints.router.replicas import Replica
 from pagoda.entrypoints.router.tokens import PromptTokenizer
@@ -48,6 +50,12 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
     """The router's app; `health_check_interval` (seconds) overrides the config's."""
     if health_check_interval is None:
         health_check_interval = router.config.health_check_interval
+    prefill = None  # policy pd: the prefill replicas, a Router of their own
+    if router.config.policy == "pd":
+        pool = replace(router.config, backends=router.config.prefill_backends,
+                       prefill_backends=(), policy="prefix")  # fmt: skip
+        prefill = Router(pool, router.tokenizer, router.metrics)
+    health_checked = [router] if prefill is None else [router, prefill]
     # No cap on connections: each one is a request in flight, which the replicas queue.
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
@@ -89,12 +97,13 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
             try:
                 if router.replica_set.discover is not None:
                     await router.replica_set.rediscover()
-                for replica in list(router.replicas):
-                    try:
-                        r = await client.get(replica.url + "/health", timeout=2.0)
-                        router.set_health(replica, r.status_code == 200)
-                    except httpx.HTTPError:
-                        router.set_health(replica, False)
+                for pool in health_checked:
+                    for replica in list(pool.replicas):
+                        try:
+                            r = await client.get(replica.url + "/health", timeout=2.0)
+                            pool.set_health(replica, r.status_code == 200)
+                        except httpx.HTTPError:
+                            pool.set_health(replica, False)
                 if router.config.kv_events:
                     follow_replicas()
             except Exception:
@@ -149,6 +158,10 @@ def build_app(router: Router, health_check_interval: float | None = None) -> Fas
         body = json_body(content)
         hashes = await asyncio.to_thread(router.block_hashes, body) if body is not None else []
         headers = request_headers(raw.headers)
+        if prefill is not None and body is not None and path in GENERATION_PATHS:
+            refused = await prefill_first(client, prefill, path, body, hashes, headers)
+            if refused is not None:
+                return refused
         tried: set[Replica] = set()
         refused: Response | None = None  # the last replica's 503, if every one refused
         while True:
@@ -224,9 +237,12 @@ def run_router(config: RouterConfig, on_start: Callable[[Router], None] | None =
     if router.replica_set.discover is not None:
         asyncio.run(router.replica_set.rediscover())
     logger.info(
-        "pagoda router: %d replicas (%s), policy %s%s, on http://%s:%d",
+        "pagoda router: %d replicas (%s)%s, policy %s%s, on http://%s:%d",
         len(router.replicas),
         ", ".join(r.url for r in router.replicas),
+        f" after prefill on {', '.join(config.prefill_backends)}"
+        if config.prefill_backends
+        else "",
         config.policy,
         " following their KV events" if config.kv_events else "",
         config.host,

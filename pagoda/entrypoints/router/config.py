@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-POLICIES = ("prefix", "round-robin", "least-loaded")
+POLICIES = ("prefix", "round-robin", "least-loaded", "pd")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    backends: tuple[str, ...] = ()  # the replicas' base URLs
+    backends: tuple[str, ...] = ()  # the replicas' base URLs (with policy "pd": decode's)
+    # Policy "pd": each request is prefilled on one of these first (a one-token request),
+    # its blocks passing to the decode replica through the disk tier they share; the
+    # replicas of each pool are chosen as "prefix" chooses.
+    prefill_backends: tuple[str, ...] = ()
     policy: str = "prefix"
     block_size: int = 16  # the engines' (prefix hashes are per block)
     # In-flight difference past which the least loaded replica wins (prefix policy).
@@ -38,6 +42,11 @@ class RouterConfig:
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}.")
+        if (self.policy == "pd") != bool(self.prefill_backends):
+            raise ValueError(
+                "router: --policy pd takes --prefill URL... (and --decode URL...), and "
+                "--prefill only goes with --policy pd."
+            )
         if self.block_size < 1 or self.prefix_table_size < 1:
             raise ValueError("block_size and prefix_table_size must be >= 1.")
         if self.balance_threshold < 0:
@@ -54,6 +63,7 @@ class RouterConfig:
         """From `pagoda router`'s flags (cli.add_router_args)."""
         return cls(
             backends=tuple(ns.backend or ()),
+            prefill_backends=tuple(getattr(ns, "prefill", None) or ()),
             policy=ns.policy,
             block_size=ns.block_size,
             balance_threshold=ns.balance_threshold,

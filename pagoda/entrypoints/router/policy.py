@@ -5,7 +5,9 @@ healthy replica holds or was sent (`PrefixTable`), under the configured policy:
 - `prefix` (default): the replica holding the longest prefix; the least loaded one
   when none holds any, or when in-flight counts differ by more than
   `balance_threshold` (load first, then cache);
-- `round-robin`, `least-loaded` (fewest requests in flight): for comparison.
+- `round-robin`, `least-loaded` (fewest requests in flight): for comparison;
+- `pd`: each generation request through a prefill replica, then a decode replica
+  (router/prefill.py); each pool chosen as `prefix` chooses.
 """
 
 from __future__ import annotations
@@ -21,10 +23,16 @@ from pagoda.entrypoints.router.tokens import PromptTokenizer
 
 
 class Router:
-    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: PromptTokenizer | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        """`metrics`: shared with another Router (policy pd's prefill pool), else new."""
         self.config = config
         self.tokenizer = tokenizer
-        self.metrics = RouterMetrics()
+        self.metrics = metrics or RouterMetrics()
         self.table = PrefixTable(config.prefix_table_size)
         self.replica_set = ReplicaSet(
             list(config.backends),
@@ -77,7 +85,7 @@ class Router:
         if not candidates:
             return None
         turn = next(self._round_robin)
-        if self.config.policy == "round-robin":
+        if self.config.policy == "round-robin":  # (pd: as prefix, in each pool)
             return candidates[turn % len(candidates)]
         # Ties in load go round, so new prefixes spread out even when all are idle.
         n = len(candidates)
