@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Prefill/decode disaggregation against one colocated replica, on `mixed` (32
-# requests, 16 in flight, SmolLM2 Q4_1), through the same client:
+# Prefill/decode disaggregation against colocated serving, on `mixed` (32 requests,
+# 16 in flight, SmolLM2 Q4_1), through the same client:
 #   colocated: one `pagoda serve` (every core);
+#   dp2:       `pagoda serve --data-parallel-size 2` (two replicas, a core each, behind
+#              the prefix router: the same split of cores as pd, without the hand-off);
 #   pd:        a producer and a consumer on one disk tier (--kv-offload-dir), each
 #              with half the cores (--num-threads), behind `pagoda router --policy pd`.
 # On one machine the two replicas split its cores, so this measures what the split
@@ -34,6 +36,11 @@ pids+=($!); up 8101
 bench colocated 8101
 kill -TERM "${pids[0]}"; wait "${pids[0]}" || true; pids=()
 
+pagoda serve --port 8105 --data-parallel-size 2 --disable-uvicorn-access-log >"$out/dp2.server.log" 2>&1 &
+pids+=($!); up 8105
+bench dp2 8105
+kill -TERM "${pids[0]}"; wait "${pids[0]}" || true; pids=()
+
 transfer='{"kv_role": "kv_producer"}'
 pagoda serve --port 8102 --num-threads "$half" --kv-offload-dir "$tier" --kv-transfer-config "$transfer" \
   --disable-uvicorn-access-log >"$out/producer.server.log" 2>&1 &
@@ -51,7 +58,7 @@ curl -s http://127.0.0.1:8103/metrics | grep -E '^pagoda:(prefix_cache|kv_tier)'
 python3 - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
-rows = {k: json.load(open(f"{out}/{k}.json"))["results"][0] for k in ("colocated", "pd")}
+rows = {k: json.load(open(f"{out}/{k}.json"))["results"][0] for k in ("colocated", "dp2", "pd")}
 for k, r in rows.items():
     print(f"{k:10s} TTFT p50 {r['ttft_ms']['median']:7.0f} ms  mean {r['ttft_ms']['mean']:7.0f} ms  "
           f"TPOT mean {r['tpot_ms']['mean']:6.1f} ms  out tok/s {r['output_throughput']:6.1f}")
