@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "sim", help="simulate a fleet of replicas: pagoda's scheduler and router, modelled steps"
     )
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--policy", choices=POLICIES, default="prefix")
+    # (pd, prefill on other replicas through a shared disk tier, is not simulated)
+    p.add_argument("--policy", choices=[x for x in POLICIES if x != "pd"], default="prefix")
     p.add_argument("--balance-threshold", type=int, default=64)
     p.add_argument("--prefix-table-size", type=int, default=1 << 20)
     p.add_argument("--no-kv-events", action="store_true", help="the router's history only")
