@@ -78,6 +78,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     kv_offload_dir: str | None = None  # the disk tier (pagoda.core.kv_tier); None: none
     kv_offload_bytes: int = 0
+    kv_offload_ram_bytes: int = 0  # the tier's host-RAM part, before its files
     kv_role: str | None = None  # prefill/decode disaggregation: see EngineArgs.kv_transfer_config
 
 

@@ -80,6 +80,9 @@ class EngineArgs:
     # restarts and by every server sharing the directory. None: off.
     kv_offload_dir: str | None = None
     kv_offload_bytes: int = 16 << 30
+    # A host-RAM tier before the disk's, of at most this many bytes (0: none): the blocks
+    # most recently written or read load from there without a file read.
+    kv_offload_ram_bytes: int = 0
     # Prefill on one replica, decode on another, the blocks passed through the disk tier
     # both see (vLLM's field): {"kv_role": "kv_producer"} answers a request only once its
     # prompt's full blocks are written there; "kv_consumer" and "kv_both" read them as
@@ -167,7 +170,8 @@ class EngineArgs:
             "pipeline_parallel_size",
         ):
             positive(name)
-        for name in ("max_logprobs", "max_stop_strings", "max_bad_words", "max_logit_bias"):
+        for name in ("max_logprobs", "max_stop_strings", "max_bad_words", "max_logit_bias",
+                     "kv_offload_ram_bytes"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
@@ -454,6 +458,7 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_offload_dir=self.kv_offload_dir,
             kv_offload_bytes=self.kv_offload_bytes,
+            kv_offload_ram_bytes=self.kv_offload_ram_bytes,
             kv_role=(self.kv_transfer_config or {}).get("kv_role"),
         )
 

@@ -210,6 +210,12 @@ class _EngineStatsCollector(Collector):
             (CounterMetricFamily, "hits", "KV blocks found in the disk tier.", tier.hits),
             (
                 CounterMetricFamily,
+                "ram_hits",
+                "Of kv_tier_hits, blocks found in its host-RAM part (no file read).",
+                tier.ram_hits,
+            ),
+            (
+                CounterMetricFamily,
                 "written_bytes",
                 "Bytes written to the disk tier.",
                 tier.bytes_written,

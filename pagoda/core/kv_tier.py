@@ -62,6 +62,7 @@ class TierStats:
     bytes_read: int = 0
     load_seconds: float = 0.0  # reading and checking files
     blocks_removed: int = 0  # damaged or foreign files, and the budget's evictions
+    ram_hits: int = 0  # of `hits`, found in the host-RAM tier (no file read)
 
 
 class KVTier:
@@ -71,8 +72,12 @@ class KVTier:
         max_bytes: int,
         fingerprint: bytes,
         read_blocks: Callable[[list[int]], list[bytes]],
+        ram_bytes: int = 0,
     ) -> None:
-        """`read_blocks`: the blocks' K/V as bytes (called on the writer thread)."""
+        """`read_blocks`: the blocks' K/V as bytes (called on the writer thread).
+        `ram_bytes`: a tier in host RAM before the disk, of at most that many bytes of
+        blocks (the most recently copied or found): a hit there reads no file. On a GPU
+        it is what a block leaving device memory lands in first; the CPU runs it alike."""
         self.fingerprint = fingerprint
         self.read_blocks = read_blocks
         self.folder = os.path.join(directory, fingerprint.hex())
@@ -88,6 +93,9 @@ class KVTier:
         self.num_copying = 0  # blocks queued and not yet read
         self._copy_done = threading.Condition(self._lock)
         self._staged: dict[bytes, memoryview] = {}  # read and checked, for the runner
+        self.ram_bytes = ram_bytes
+        self._ram: OrderedDict[bytes, bytes] = OrderedDict()  # hash -> payload, LRU first
+        self._ram_used = 0
         self._queue: queue.Queue[tuple[bytes, int] | None] = queue.Queue()
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
@@ -117,9 +125,14 @@ class KVTier:
             if block_hash not in self._staged:  # (else staged by a try that did not fit)
                 self.stats.queries += 1
                 with self._lock:  # (its memory block may be gone while its file is not there)
-                    payload = self._unwritten.get(block_hash)
+                    payload = self._unwritten.get(block_hash) or self._ram.get(block_hash)
+                    if payload is not None and block_hash in self._ram:
+                        self._ram.move_to_end(block_hash)
+                        self.stats.ram_hits += 1
                 if payload is None:
                     payload = self._read(block_hash)
+                    if payload is not None:
+                        self._keep_in_ram([(block_hash, bytes(payload))])
                 if payload is None:
                     break
                 self._staged[block_hash] = payload
@@ -188,11 +201,11 @@ class KVTier:
             except Exception:  # the cache is gone (shutting down after a failure)
                 logger.exception("KV tier: copying blocks failed")
                 payloads = [None] * len(items)
+            copied = [(h, p) for (h, _), p in zip(items, payloads, strict=True) if p is not None]
+            self._keep_in_ram(copied)
             with self._lock:
                 self._copied += [block_id for _, block_id in items]
-                self._unwritten.update(
-                    (h, p) for (h, _), p in zip(items, payloads, strict=True) if p is not None
-                )
+                self._unwritten.update(copied)
                 self.num_copying -= len(items)
                 self._copy_done.notify_all()
             for (block_hash, _), payload in zip(items, payloads, strict=True):
@@ -207,6 +220,19 @@ class KVTier:
                         self._unwritten.pop(block_hash, None)
             for _ in batch:
                 self._queue.task_done()
+
+    def _keep_in_ram(self, blocks: list[tuple[bytes, bytes]]) -> None:
+        """Put payloads in the host-RAM tier, the least recently used out past its bytes."""
+        if not self.ram_bytes:
+            return
+        with self._lock:
+            for block_hash, payload in blocks:
+                if block_hash not in self._ram and len(payload) <= self.ram_bytes:
+                    self._ram[block_hash] = payload
+                    self._ram_used += len(payload)
+            while self._ram_used > self.ram_bytes:
+                _, old = self._ram.popitem(last=False)
+                self._ram_used -= len(old)
 
     def _write(self, block_hash: bytes, payload: bytes) -> None:
         header = (

@@ -194,6 +194,7 @@ class LLMEngine:
             cache_config.kv_offload_bytes,
             key,
             runner.kv_cache.read_blocks,
+            cache_config.kv_offload_ram_bytes,
         )
         logger.info(
             "KV tier: %s (%.1f GiB at most), %d blocks there",

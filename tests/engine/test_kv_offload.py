@@ -197,3 +197,31 @@ def test_prefill_on_a_producer_decode_on_a_consumer(tiny_llama, tmp_path):
 def test_kv_transfer_config_is_checked(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineArgs(**kwargs).verify()
+
+
+@pytest.mark.parametrize("ram_bytes", [0, 1 << 20])
+def test_the_host_ram_tier_serves_blocks_whose_files_are_gone(
+    tiny_llama, prompt, tmp_path, ram_bytes
+):
+    """kv_offload_ram_bytes: the tier's host-RAM part, before its files (on a GPU, where a
+    block leaving device memory lands first). Blocks pushed out of a small pool come back
+    from it with every file deleted; without it, the same run recomputes them."""
+    from transformers import AutoTokenizer
+
+    others = tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), 6, seed=5)
+    others = [(p * 8)[: 6 * BS] for p in others]
+    llm = LLM(model=tiny_llama, kv_offload_dir=str(tmp_path), block_size=BS,
+              kv_cache_memory_bytes=16 * BLOCK_BYTES, kv_offload_ram_bytes=ram_bytes)  # fmt: skip
+    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    for other in others:
+        llm.generate([{"prompt_token_ids": other}], GREEDY, use_tqdm=False)
+    llm.llm_engine.kv_tier.flush()
+    for path in tier_files(tmp_path):
+        os.remove(path)
+    again = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    tier = llm.llm_engine.get_stats().kv_cache.tier
+    if ram_bytes:
+        assert again.num_cached_tokens == 6 * BS and tier.ram_hits >= 6
+    else:
+        assert again.num_cached_tokens == 0 and tier.ram_hits == 0
