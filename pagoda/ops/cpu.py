@@ -148,8 +148,9 @@ def cpu_flags() -> dict[str, bool]:
 # 8 rows, 17.1 vs 13.7 at 16 (bf16: 28.9 and 23.6). Past W8A8_INT_MAX_ROWS the weight is
 # dequantized for oneDNN's bf16 GEMM where that is faster, on AMX tiles: 39 vs 49 ms at
 # 128 rows, 144 vs 140 at 512, 487 vs 215 at 2,048. Without AMX, oneDNN's integer GEMM
-# (VNNI) stays ahead at every size: 1.3-1.85x bf16's GFLOP/s at 64 to 4,096 rows on
-# 384x1536, 1536x384 and 6144x2048 weights (AMD EPYC, 2 threads), so it runs them all.
+# (VNNI) stays ahead at every size: 1.4-1.9x bf16's GFLOP/s at 64 to 4,096 rows on
+# 384x1536, 1536x384 and 6144x2048 weights (AMD EPYC, 2 threads; benchmarks/w8a8_gemm.py),
+# so it runs them all.
 INT8_SMALL_MAX_ROWS = 8
 W8A8_INT_MAX_ROWS = 256 if cpu_flags()["amx_tile"] else 1 << 62
 # Of each adapter segment, the most rows that are a multiple of this go to oneDNN's GEMMs
