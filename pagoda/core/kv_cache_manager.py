@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagoda.core.block_pool import BlockPool
+from pagoda.core.kv_events import KVEventBatch
 from pagoda.core.kv_tier import KVTier
 from pagoda.core.stats import KVCacheStats
 from pagoda.request import Request
@@ -418,6 +419,27 @@ class KVCacheManager:
             self.tier.wait_copied()
             self.release_saved()
         return num_blocks <= self.block_pool.num_free_blocks
+
+    # ---- KV events (pagoda.core.kv_events): the pool's, and the tier's ----------------
+
+    def start_kv_events(self) -> KVEventBatch:
+        """Record changes from now on; returns a snapshot batch of what is findable."""
+        batch = self.block_pool.start_kv_events()
+        if self.tier is not None:
+            batch.tier_id, batch.tier_changes = self.tier.tier_id, self.tier.start_events()
+        return batch
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The changes since the last call; None when not recording."""
+        batch = self.block_pool.take_kv_events()
+        if batch is not None and self.tier is not None:
+            batch.tier_id, batch.tier_changes = self.tier.tier_id, self.tier.take_events()
+        return batch
+
+    def stop_kv_events(self) -> None:
+        self.block_pool.stop_kv_events()
+        if self.tier is not None:
+            self.tier.stop_events()
 
     @property
     def usage(self) -> float:

@@ -15,7 +15,9 @@ wrote is found on a miss. A damaged, truncated or foreign file is a miss, and is
 removed: never a wrong token. Over the byte budget, the least recently used go.
 
 Bytes only, no torch: the scheduler's KV cache manager asks what is here (`stage`) and
-hands over blocks to keep (`save`); the runner's `read_blocks` copies them out.
+hands over blocks to keep (`save`); the runner's `read_blocks` copies them out. While
+a router listens, the tier records which blocks became findable or stopped being, in
+its RAM part and in its files (`start_events`; see pagoda.core.kv_events).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+from pagoda.core.kv_events import DISK, RAM, TIER_MEDIA
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +86,9 @@ class KVTier:
         self.read_blocks = read_blocks
         self.folder = os.path.join(directory, fingerprint.hex())
         os.makedirs(self.folder, exist_ok=True)
+        # Servers on one folder share its blocks: a router counts them for each.
+        real = os.path.realpath(self.folder).encode()
+        self.tier_id = hashlib.blake2b(real, digest_size=8).hexdigest()
         self.max_bytes = max_bytes
         self.stats = TierStats()
         self._lock = threading.Lock()  # the index: the engine thread and the writer's
@@ -97,6 +104,8 @@ class KVTier:
         self._ram: OrderedDict[bytes, bytes] = OrderedDict()  # hash -> payload, LRU first
         self._ram_used = 0
         self._queue: queue.Queue[tuple[bytes, int] | None] = queue.Queue()
+        # While someone listens: medium -> block hash -> findable there now (see kv_events).
+        self._events: dict[str, dict[bytes, bool]] | None = None
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -148,6 +157,41 @@ class KVTier:
     def drop_staged(self) -> None:
         """Forget what was staged and not taken (its request could not be admitted)."""
         self._staged.clear()
+
+    # ---- events ---------------------------------------------------------------------
+
+    def start_events(self) -> dict[str, dict[bytes, bool]]:
+        """Record changes from now on; returns what is findable now, per medium (the
+        files as the directory lists them, another server's included)."""
+        with self._lock:
+            if self._events is None:
+                self._events = {medium: {} for medium in TIER_MEDIA}
+            in_ram = dict.fromkeys(self._ram, True)
+            on_disk = dict.fromkeys(self._unwritten, True)
+        # (listed after recording starts: a file that comes or goes meanwhile is in a batch)
+        with os.scandir(self.folder) as it:
+            for entry in it:
+                with contextlib.suppress(ValueError):
+                    if entry.name.endswith(".kv"):
+                        on_disk[bytes.fromhex(entry.name[:-3])] = True
+        return {RAM: in_ram, DISK: on_disk}
+
+    def take_events(self) -> dict[str, dict[bytes, bool]]:
+        """The changes since the last call, per medium ({} when not recording)."""
+        with self._lock:
+            events = self._events
+            if events is not None:
+                self._events = {medium: {} for medium in TIER_MEDIA}
+        return events or {}
+
+    def stop_events(self) -> None:
+        with self._lock:
+            self._events = None
+
+    def _note(self, medium: str, block_hash: bytes, findable: bool) -> None:
+        """Record a change, while someone listens (under the lock)."""
+        if self._events is not None:
+            self._events[medium][block_hash] = findable
 
     # ---- writing ------------------------------------------------------------------
 
@@ -206,6 +250,8 @@ class KVTier:
             with self._lock:
                 self._copied += [block_id for _, block_id in items]
                 self._unwritten.update(copied)
+                for block_hash, _ in copied:  # findable from here on (the copy, then the file)
+                    self._note(DISK, block_hash, True)
                 self.num_copying -= len(items)
                 self._copy_done.notify_all()
             for (block_hash, _), payload in zip(items, payloads, strict=True):
@@ -217,7 +263,9 @@ class KVTier:
                 finally:
                     with self._lock:
                         self._pending.discard(block_hash)
-                        self._unwritten.pop(block_hash, None)
+                        was_copied = self._unwritten.pop(block_hash, None) is not None
+                        if was_copied and block_hash not in self._index:
+                            self._note(DISK, block_hash, False)  # not written, or evicted at once
             for _ in batch:
                 self._queue.task_done()
 
@@ -230,9 +278,11 @@ class KVTier:
                 if block_hash not in self._ram and len(payload) <= self.ram_bytes:
                     self._ram[block_hash] = payload
                     self._ram_used += len(payload)
+                    self._note(RAM, block_hash, True)
             while self._ram_used > self.ram_bytes:
-                _, old = self._ram.popitem(last=False)
+                old_hash, old = self._ram.popitem(last=False)
                 self._ram_used -= len(old)
+                self._note(RAM, old_hash, False)
 
     def _write(self, block_hash: bytes, payload: bytes) -> None:
         header = (
@@ -262,6 +312,7 @@ class KVTier:
             old, size = self._index.popitem(last=False)
             self._num_bytes -= size
             evicted.append(old)
+            self._note(DISK, old, False)
         return evicted
 
     # ---- reading ------------------------------------------------------------------
@@ -292,6 +343,7 @@ class KVTier:
             else:
                 self._index[block_hash] = len(data)
                 self._num_bytes += len(data)
+                self._note(DISK, block_hash, True)  # (another server's file)
             self.stats.bytes_read += len(data)
         return payload
 
@@ -346,6 +398,7 @@ class KVTier:
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self._num_bytes -= size
+            self._note(DISK, block_hash, False)
 
     def _remove_file(self, block_hash: bytes) -> None:
         self.stats.blocks_removed += 1

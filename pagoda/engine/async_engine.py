@@ -393,7 +393,8 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not self._ops and not busy and not self._stopping:
-                    self._cond.wait()
+                    if not self._cond.wait(self._kv_listeners.idle_wait(engine)):
+                        break
                 ops, self._ops = self._ops, []
                 stopping = self._stopping
             sends = Deliveries()
@@ -406,7 +407,7 @@ class AsyncEngine:
                     self.num_steps += 1
                     for output in outputs:
                         self._send_output(output, sends)
-                self._kv_listeners.send(engine.kv_cache_manager.block_pool, sends)
+                self._kv_listeners.send(engine.kv_cache_manager, sends)
             except BaseException:
                 sends.post()  # what this round already decided goes out before the failure
                 raise
@@ -458,7 +459,7 @@ class AsyncEngine:
             sends.resolve(op.done, result)
             return 0
         if isinstance(op, ListenKVEvents | StopKVEvents):
-            self._kv_listeners.apply(op, self.engine.kv_cache_manager.block_pool, sends)
+            self._kv_listeners.apply(op, self.engine.kv_cache_manager, sends)
             return 0
         ids = list(self._streams) if isinstance(op, AbortAll) else op.request_ids
         for output in self.engine.abort_request(ids):
@@ -482,8 +483,7 @@ class AsyncEngine:
                 sends.resolve(op.accepted, error)
             elif isinstance(op, AddLoRA | TakeSnapshot):
                 sends.resolve(op.done, error)
-            elif isinstance(op, ListenKVEvents):
-                self._kv_listeners.streams.append(op.stream)
+        self._kv_listeners.streams += [op.stream for op in ops if isinstance(op, ListenKVEvents)]
         for stream in self._streams.values():
             sends.put(stream, error)
         self._streams.clear()

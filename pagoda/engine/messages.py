@@ -229,13 +229,21 @@ def _deliver(items: list[tuple[Callable, Any, Any]]) -> None:
 class KVEventListeners:
     """The KV event streams the engine thread feeds (engine thread only)."""
 
+    TIER_EVENTS_S = 0.5  # how often an idle engine sends its KV tier's events
+
     def __init__(self) -> None:
         self.streams: list[KVEventStream] = []
 
-    def apply(self, op: ListenKVEvents | StopKVEvents, block_pool, sends: Deliveries) -> None:
+    def idle_wait(self, engine) -> float | None:
+        """How long an idle engine thread may sleep: while someone listens to a KV
+        tier, they hear what its writer did after the step that finished a request."""
+        return self.TIER_EVENTS_S if self.streams and engine.kv_tier is not None else None
+
+    def apply(self, op: ListenKVEvents | StopKVEvents, kv_cache, sends: Deliveries) -> None:
+        """`kv_cache`: the engine's KVCacheManager (its pool's and tier's events)."""
         if isinstance(op, ListenKVEvents):
-            snapshot = block_pool.start_kv_events()
-            self.send(block_pool, sends)  # what changed before it is in the snapshot
+            snapshot = kv_cache.start_kv_events()
+            self.send(kv_cache, sends)  # what changed before it is in the snapshot
             self.streams.append(op.stream)
             sends.put(op.stream, snapshot)
             return
@@ -244,13 +252,13 @@ class KVEventListeners:
             self.streams.remove(stream)
             sends.put(stream, None)
         if not self.streams:
-            block_pool.stop_kv_events()
+            kv_cache.stop_kv_events()
 
-    def send(self, block_pool, sends: Deliveries) -> None:
+    def send(self, kv_cache, sends: Deliveries) -> None:
         """The changes since the last batch, to every stream."""
         if not self.streams:
             return
-        batch = block_pool.take_kv_events()
+        batch = kv_cache.take_kv_events()
         if batch:
             for stream in self.streams:
                 sends.put(stream, batch)

@@ -73,7 +73,7 @@ class SimReplica:
         has_slo = spec.slo_ttft_ms is not None or spec.slo_tpot_ms is not None
         self.slo = SLO(spec.slo_ttft_ms, spec.slo_tpot_ms) if has_slo else None
         if kv_events:
-            self.kv.block_pool.start_kv_events()
+            self.kv.start_kv_events()
         self.step_in_flight: SchedulerOutput | None = None
         self.alive = True
         self.busy_seconds = 0.0
@@ -111,7 +111,7 @@ class SimReplica:
         return self.scheduler.update_from_output(out, runner_output)
 
     def take_kv_events(self):
-        return self.kv.block_pool.take_kv_events()
+        return self.kv.take_kv_events()
 
     @property
     def num_waiting(self) -> int:

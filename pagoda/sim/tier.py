@@ -1,6 +1,6 @@
 """The disk KV tier, simulated: what `KVCacheManager` asks of `pagoda.core.kv_tier.KVTier`
 (`stage`, `take`, `drop_staged`, `save`, `take_saved`, `wait_copied`, `num_copying`,
-`flush`, `holds`, `snapshot`), with no files and no thread.
+`flush`, `holds`, `snapshot`, the events), with no files and no thread.
 
 `TierStore` stands for the directory: an index of block hashes, least recently used
 first, under a byte budget. `SimTier` is one replica's tier on it (what it has staged,
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import replace
 
+from pagoda.core.kv_events import DISK, RAM
 from pagoda.core.kv_tier import HEADER_BYTES, TierStats
 
 
@@ -30,17 +31,22 @@ class TierStore:
     def num_bytes(self) -> int:
         return len(self.index) * self.file_bytes
 
-    def add(self, block_hash: bytes) -> None:
+    def add(self, block_hash: bytes) -> list[bytes]:
+        """Store a block; returns those the budget evicted."""
         self.index[block_hash] = None
+        evicted = []
         while self.num_bytes > self.max_bytes and self.index:
-            self.index.popitem(last=False)
+            evicted.append(self.index.popitem(last=False)[0])
             self.blocks_removed += 1
+        return evicted
 
 
 class SimTier:
     def __init__(self, store: TierStore) -> None:
         self.store = store
+        self.tier_id = f"sim-{id(store):x}"  # (replicas given one store share it)
         self.stats = TierStats()
+        self._events: dict[bytes, bool] | None = None  # (this replica's saves and evictions)
         self.num_copying = 0  # (copies are immediate)
         self._staged: set[bytes] = set()
         self._copied: list[int] = []
@@ -83,7 +89,10 @@ class SimTier:
         """Written at once; the block comes back from the next `take_saved`."""
         if block_hash in self.store.index:
             return False
-        self.store.add(block_hash)
+        evicted = self.store.add(block_hash)
+        if self._events is not None:
+            self._events.update(dict.fromkeys(evicted, False))
+            self._events[block_hash] = block_hash in self.store.index
         self.stats.bytes_written += self.store.file_bytes
         self._copied.append(block_id)
         return True
@@ -97,3 +106,16 @@ class SimTier:
 
     def flush(self) -> None:
         pass
+
+    def start_events(self) -> dict[str, dict[bytes, bool]]:
+        self._events = {}
+        return {RAM: {}, DISK: dict.fromkeys(self.store.index, True)}
+
+    def take_events(self) -> dict[str, dict[bytes, bool]]:
+        if self._events is None:
+            return {}
+        events, self._events = self._events, {}
+        return {RAM: {}, DISK: events}
+
+    def stop_events(self) -> None:
+        self._events = None

@@ -86,7 +86,7 @@ def test_blocks_evicted_from_a_small_pool_come_back_from_the_tier(tiny_llama, pr
     others = tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), 6, seed=5)
     others = [(p * 8)[: 6 * BS] for p in others]
     llm = LLM(model=tiny_llama, kv_offload_dir=str(tmp_path), block_size=BS,
-              kv_cache_memory_bytes=16 * BLOCK_BYTES)  # fmt: skip
+              kv_cache_memory_bytes=16 * BLOCK_BYTES, dtype="float32")  # fmt: skip
     engine = llm.llm_engine
     first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
     for other in others:
@@ -211,7 +211,7 @@ def test_the_host_ram_tier_serves_blocks_whose_files_are_gone(
     others = tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), 6, seed=5)
     others = [(p * 8)[: 6 * BS] for p in others]
     llm = LLM(model=tiny_llama, kv_offload_dir=str(tmp_path), block_size=BS,
-              kv_cache_memory_bytes=16 * BLOCK_BYTES, kv_offload_ram_bytes=ram_bytes)  # fmt: skip
+              kv_cache_memory_bytes=16 * BLOCK_BYTES, dtype="float32", kv_offload_ram_bytes=ram_bytes)  # fmt: skip
     first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
     for other in others:
         llm.generate([{"prompt_token_ids": other}], GREEDY, use_tqdm=False)

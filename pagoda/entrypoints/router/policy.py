@@ -1,6 +1,7 @@
 """Where each request goes: the prompt's chained block hashes (the engines' prefix
 cache keys, `kv_cache_manager.hash_block`, same block size), scored against what each
-healthy replica holds or was sent (`PrefixTable`), under the configured policy:
+healthy replica holds or was sent, each block weighed by where it is: its KV cache,
+or a KV tier it would read (`PrefixTable`), under the configured policy:
 
 - `prefix` (default): the replica holding the longest prefix; the least loaded one
   when none holds any, or when in-flight counts differ by more than
@@ -95,7 +96,7 @@ class Router:
             return least
         if max(r.in_flight for r in candidates) - least.in_flight > self.config.balance_threshold:
             return least
-        matched = {r: self.table.matched_blocks(hashes, r.index) for r in candidates}
+        matched = {r: self.table.score(hashes, r.index) for r in candidates}
         best = max(candidates, key=lambda r: (matched[r], -r.in_flight, -r.index))
         return best if matched[best] > 0 else least
 
