@@ -13,13 +13,15 @@
 //
 // Built once per engine from the loaded weights and the KV cache tensors, for steps
 // where every row is a decode row (one query token at its own position, drafts
-// included) and at most 8 or 16 rows run (while every linear keeps its small-batch
-// kernel). Everything else
-// takes the Python path. Linear::operator() repeats the small-row dispatch of
-// pagoda.ops.cpu (`linear`, `quant_linear`), whose `decode_loop_linear` admits a linear
-// only where the two agree; tests/kernels/test_decode_loop.py holds them equal.
+// included) and at most 64 rows run. Everything else takes the Python path.
+// Linear::operator() repeats the row-count dispatch of pagoda.ops.cpu (`linear`,
+// `quant_linear`): a few rows on the small-batch kernels, more on oneDNN's GEMMs
+// (bf16 rows padded to pagoda.ops.cpu.bucket_rows, a quantized weight dequantized into
+// a scratch buffer first); its `decode_loop_linear` admits a linear only where the two
+// agree, and tests/kernels/test_decode_loop.py holds them equal.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <vector>
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -36,6 +38,11 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional
                         c10::optional<at::Tensor> qh);
 at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
+at::Tensor int8_linear_large(at::Tensor x, at::Tensor w, at::Tensor w_scale,
+                             c10::optional<at::Tensor> bias);
+at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
+                      at::ScalarType dtype, c10::optional<at::Tensor> out_buffer,
+                      c10::optional<at::Tensor> qh);
 void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks,
               std::vector<int64_t> slice_offsets, at::Tensor segments);
 std::vector<at::Tensor> moe_group(at::Tensor x, at::Tensor router_logits, int64_t top_k,
@@ -58,6 +65,35 @@ struct LoRASlots {
   std::vector<int64_t> offsets;
 };
 
+// pagoda.ops.cpu.bucket_rows: a row count rounded up to one of a few sizes per octave,
+// so that oneDNN sees few distinct M (tests/kernels/test_decode_loop.py holds them equal).
+int64_t bucket_rows(int64_t rows) {
+  int64_t top = 1;
+  while (top * 2 <= rows) top *= 2;
+  const int64_t step = std::max<int64_t>(8, top / 8);
+  return (rows + step - 1) / step * step;
+}
+
+// x's rows padded with zero rows to bucket_rows (pagoda.ops.cpu.pad_rows).
+at::Tensor pad_rows(const at::Tensor& x) {
+  const int64_t n = x.size(0), rows = bucket_rows(n);
+  if (rows == n) return x;
+  at::Tensor padded = at::empty({rows, x.size(1)}, x.options());
+  padded.narrow(0, 0, n).copy_(x);
+  padded.narrow(0, n, rows - n).zero_();
+  return padded;
+}
+
+// A dense product as pagoda.ops.cpu's `linear` takes it: float32 to F.linear; bf16 to
+// small_gemm up to `small_rows` rows, past them to oneDNN's GEMM on padded rows.
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                 int64_t small_rows) {
+  const int64_t n = x.size(0);
+  if (x.scalar_type() != at::kBFloat16) return at::linear(x, w, bias);
+  if (n <= small_rows) return small_gemm(x, w, bias);
+  return at::linear(pad_rows(x), w, bias).narrow(0, 0, n);
+}
+
 // A linear as the loop runs it (Python: LinearSpec, built by pagoda.ops.cpu's
 // decode_loop_linear).
 struct Linear {
@@ -65,17 +101,30 @@ struct Linear {
   at::Tensor w;  // dense [N, K], or the quants (qs)
   c10::optional<at::Tensor> d, m, qh, bias;
   int64_t format;
+  int64_t small_rows;  // the most rows its small-batch kernel takes
   c10::optional<LoRASlots> lora;
 
-  // As pagoda.ops.cpu dispatches a few rows: small_gemm (bf16) or F.linear (float32),
-  // quant_linear on the blocks, int8_linear_small per channel; then the adapters' part.
-  at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& segments) const {
+  // As pagoda.ops.cpu dispatches: dense as `dense` above; quantized, up to small_rows
+  // quant_linear on the blocks or int8_linear_small per channel, past them the blocks
+  // dequantized into `scratch` and a dense product, or per channel int8_linear_large on
+  // padded rows; then the adapters' part. dense_small_rows: `dense`'s, for bf16.
+  at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& segments,
+                        at::Tensor& scratch, int64_t dense_small_rows) const {
+    const int64_t n = x.size(0);
     at::Tensor y;
-    switch (kind) {
-      case kBlocks: y = quant_linear(x.contiguous(), w, *d, m, format, bias, qh); break;
-      case kPerChannel: y = int8_linear_small(x.contiguous(), w, *d, bias); break;
-      default:
-        y = x.scalar_type() == at::kBFloat16 ? small_gemm(x, w, bias) : at::linear(x, w, bias);
+    if (kind == kDense) {
+      y = dense(x, w, bias, small_rows);
+    } else if (n <= small_rows) {
+      y = kind == kBlocks ? quant_linear(x.contiguous(), w, *d, m, format, bias, qh)
+                          : int8_linear_small(x.contiguous(), w, *d, bias);
+    } else if (kind == kPerChannel) {
+      y = int8_linear_large(pad_rows(x.contiguous()), w, *d, bias).narrow(0, 0, n);
+    } else {
+      const int64_t numel = w.size(0) * w.size(1) * 32;  // [N, K / 32 blocks, ...]
+      if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() || scratch.numel() < numel)
+        scratch = at::empty({numel}, x.options());  // (reused: fresh pages cost a fault each)
+      y = dense(x, dequantize(w, *d, m, format, x.scalar_type(), scratch, qh), bias,
+                dense_small_rows);
     }
     if (lora.has_value() && segments.has_value())
       lora_add(y, x, lora->a, lora->b, lora->ranks, lora->offsets, *segments);
@@ -123,11 +172,6 @@ struct Layer {
   c10::optional<QKNorm> qk_norm;
 };
 
-// A dense linear of a few rows, as pagoda.ops.cpu's `linear` takes it.
-at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
-  return x.scalar_type() == at::kBFloat16 ? small_gemm(x, w, c10::nullopt) : at::linear(x, w);
-}
-
 at::Tensor activate(const at::Tensor& gate, Activation activation) {
   return activation == kGeluTanh ? at::gelu(gate, "tanh") : at::silu(gate);
 }
@@ -136,7 +180,9 @@ at::Tensor activate(const at::Tensor& gate, Activation activation) {
 
 class DecodeLoop {
  public:
-  DecodeLoop(double eps, at::Tensor final_norm) : eps_(eps), final_norm_(final_norm) {}
+  // dense_small_rows: the most rows pagoda.ops.cpu's `linear` gives small_gemm (bf16).
+  DecodeLoop(double eps, at::Tensor final_norm, int64_t dense_small_rows)
+      : eps_(eps), final_norm_(final_norm), dense_small_rows_(dense_small_rows) {}
 
   int64_t add_linear(const Linear& spec) {
     TORCH_CHECK(spec.kind == kDense || spec.d.has_value(), "a quantized linear needs its scales");
@@ -229,7 +275,7 @@ class DecodeLoop {
         fused_add_rms_norm(x, residual, L.input_norm, eps_);
         h = x;
       }
-      at::Tensor qkv_out = linears_[L.qkv](h, seg);
+      at::Tensor qkv_out = linear(L.qkv, h, seg);
       if (L.qk_norm.has_value()) qkv_out = norm_and_clip(*L.qk_norm, qkv_out, L);
       const std::vector<at::Tensor> qkv = qkv_out.split({q_size + kv_size, kv_size}, -1);
       at::Tensor qk = qkv[0].view({T, L.H + L.KVH, L.D});
@@ -240,14 +286,14 @@ class DecodeLoop {
       const at::Tensor o = paged_decode_attention(q_k[0], L.k_cache, L.v_cache, block_tables,
                                                   seq_lens, L.scale, c10::nullopt, c10::nullopt,
                                                   L.window, L.softcap, 0);
-      h = finish(L, linears_[L.o](o.reshape({T, q_size}), seg), L.attn_output_norm);
+      h = finish(L, linear(L.o, o.reshape({T, q_size}), seg), L.attn_output_norm);
       fused_add_rms_norm(h, residual, L.ffn_norm, eps_);
       if (L.moe.has_value()) {
         x = finish(L, moe(*L.moe, h, seg), L.ffn_output_norm);
         continue;
       }
-      const std::vector<at::Tensor> gate_up = linears_[L.gate_up](h, seg).chunk(2, -1);
-      x = finish(L, linears_[L.down](activate(gate_up[0], L.activation) * gate_up[1], seg),
+      const std::vector<at::Tensor> gate_up = linear(L.gate_up, h, seg).chunk(2, -1);
+      x = finish(L, linear(L.down, activate(gate_up[0], L.activation) * gate_up[1], seg),
                  L.ffn_output_norm);
     }
     fused_add_rms_norm(x, residual, final_norm_, eps_);
@@ -279,8 +325,8 @@ class DecodeLoop {
   }
 
   // SparseMoeBlock.forward: the chosen experts over their rows, then the shared expert.
-  at::Tensor moe(const MoE& M, const at::Tensor& h, const c10::optional<at::Tensor>& seg) const {
-    const at::Tensor logits = linears_[M.router](h, seg);
+  at::Tensor moe(const MoE& M, const at::Tensor& h, const c10::optional<at::Tensor>& seg) {
+    const at::Tensor logits = linear(M.router, h, seg);
     const std::vector<at::Tensor> grouped = moe_group(h, logits, M.top_k, M.renormalize);
     const at::Tensor& xs = grouped[0];
     const at::Tensor counts = grouped[3];
@@ -292,26 +338,33 @@ class DecodeLoop {
       if (n == 0) continue;
       const at::Tensor rows = xs.narrow(0, start, n);
       const std::vector<at::Tensor> gate_up =
-          (M.gate_up_linears.empty() ? dense(rows, M.w13[e])
-                                     : linears_[M.gate_up_linears[e]](rows, c10::nullopt))
+          (M.gate_up_linears.empty() ? dense(rows, M.w13[e], c10::nullopt, dense_small_rows_)
+                                     : linear(M.gate_up_linears[e], rows, c10::nullopt))
               .chunk(2, -1);
       const at::Tensor act = at::silu(gate_up[0]) * gate_up[1];
       out.narrow(0, start, n).copy_(M.down_linears.empty()
-                                        ? dense(act, M.w2[e])
-                                        : linears_[M.down_linears[e]](act, c10::nullopt));
+                                        ? dense(act, M.w2[e], c10::nullopt, dense_small_rows_)
+                                        : linear(M.down_linears[e], act, c10::nullopt));
       start += n;
     }
     at::Tensor y = moe_combine(out, grouped[1], grouped[2], h.size(0));
     if (M.shared_gate_up >= 0) {
-      const std::vector<at::Tensor> gate_up = linears_[M.shared_gate_up](h, seg).chunk(2, -1);
-      const at::Tensor shared = linears_[M.shared_down](at::silu(gate_up[0]) * gate_up[1], seg);
-      y = y + at::sigmoid(linears_[M.shared_gate](h, seg)) * shared;
+      const std::vector<at::Tensor> gate_up = linear(M.shared_gate_up, h, seg).chunk(2, -1);
+      const at::Tensor shared = linear(M.shared_down, at::silu(gate_up[0]) * gate_up[1], seg);
+      y = y + at::sigmoid(linear(M.shared_gate, h, seg)) * shared;
     }
     return y;
   }
 
+  // Linear i on x (with the step's LoRA segments, the loop's scratch and dense threshold).
+  at::Tensor linear(int64_t i, const at::Tensor& x, const c10::optional<at::Tensor>& seg) {
+    return linears_[i](x, seg, scratch_, dense_small_rows_);
+  }
+
   double eps_;
   at::Tensor final_norm_;
+  int64_t dense_small_rows_;
+  at::Tensor scratch_;  // where a quantized weight is dequantized past its small rows
   std::vector<Linear> linears_;
   std::vector<Layer> layers_;
 };
@@ -321,24 +374,26 @@ class DecodeLoop {
 
 void bind_decode_loop(py::module_& m) {
   py::enum_<LinearKind>(m, "LinearKind")
-      .value("DENSE", kDense)          // small_gemm (bf16) or F.linear (float32)
-      .value("BLOCKS", kBlocks)        // quant_linear on GGUF blocks
-      .value("PER_CHANNEL", kPerChannel);  // int8_linear_small (w8a8)
+      .value("DENSE", kDense)          // small_gemm or oneDNN (bf16), F.linear (float32)
+      .value("BLOCKS", kBlocks)        // quant_linear on GGUF blocks, or dequantized
+      .value("PER_CHANNEL", kPerChannel);  // int8_linear_small or _large (w8a8)
+  m.def("bucket_rows", &bucket_rows, "pagoda.ops.cpu.bucket_rows, as the loop pads rows");
   py::enum_<Activation>(m, "Activation").value("SILU", kSilu).value("GELU_TANH", kGeluTanh);
   py::class_<Linear>(m, "LinearSpec")
       .def(py::init([](LinearKind kind, at::Tensor w, c10::optional<at::Tensor> d,
                        c10::optional<at::Tensor> m, c10::optional<at::Tensor> qh, int64_t format,
-                       c10::optional<at::Tensor> bias) {
-             return Linear{kind, w, d, m, qh, bias, format, c10::nullopt};
+                       c10::optional<at::Tensor> bias, int64_t small_rows) {
+             return Linear{kind, w, d, m, qh, bias, format, small_rows, c10::nullopt};
            }),
            py::kw_only(), py::arg("kind"), py::arg("w"), py::arg("d") = py::none(),
            py::arg("m") = py::none(), py::arg("qh") = py::none(), py::arg("format") = 0,
-           py::arg("bias") = py::none())
+           py::arg("bias") = py::none(), py::arg("small_rows"))
       .def_readonly("kind", &Linear::kind)
       .def_readonly("w", &Linear::w)
       .def_readonly("format", &Linear::format);
   py::class_<DecodeLoop>(m, "DecodeLoop")
-      .def(py::init<double, at::Tensor>(), py::arg("eps"), py::arg("final_norm"))
+      .def(py::init<double, at::Tensor, int64_t>(), py::arg("eps"), py::arg("final_norm"),
+           py::arg("dense_small_rows"))
       .def("add_linear", &DecodeLoop::add_linear, py::arg("spec"))
       .def("set_lora", &DecodeLoop::set_lora, py::arg("linear"), py::arg("a"), py::arg("b"),
            py::arg("ranks"), py::arg("offsets"))

@@ -1,7 +1,8 @@
 """Hands a built decoder to the C++ decode loop (csrc/decode_loop.cpp), which then runs
-decode-only steps of up to `decode_loop_max_rows` rows (8 or 16: while every linear
-takes its small-batch kernel) with the same kernels in the same order as the Python
-layers (bitwise the same result) and no Python between them.
+decode-only steps of up to `decode_loop_max_rows` rows (pagoda.ops.cpu's
+DECODE_LOOP_MAX_ROWS) with the same kernels in the same order as the Python layers
+(bitwise the same result: each linear dispatched by its rows as pagoda.ops.cpu does)
+and no Python between them.
 
 Each layer crosses as its config describes it (pagoda/model_executor/models/
 transformer.py): the attention's heads, scale, window, soft cap, rope table (or none)

@@ -161,9 +161,9 @@ W8A8_INT_MAX_ROWS = 256 if cpu_flags()["amx_tile"] else 1 << 62
 # where the GEMMs take 8, 3.6 at 64 rows (9.4), 13 at 256 (15); past that the GEMMs win
 # (their calls cost about 60 us per linear and segment, which lora_add saves at decode).
 LORA_GEMM_ROWS = 512
-# The C++ decode loop takes steps of up to this many rows (where float32 linears, which
-# go to F.linear at any size, set no lower limit).
-DECODE_LOOP_MAX_ROWS = 16
+# The C++ decode loop takes steps of up to this many rows, each linear dispatched by its
+# rows as `linear` and `quant_linear` below dispatch them.
+DECODE_LOOP_MAX_ROWS = 64
 
 
 def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: bool = False):
@@ -243,31 +243,35 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
             )
         return linear(x, dense, bias)
 
+    # The most rows `linear` gives small_gemm (bf16), for the decode loop's dense products.
+    dense_small_rows = 0 if small_gemm is None else SMALL_GEMM_MAX_ROWS
+    if batch_invariant:
+        dense_small_rows = 1 << 62
+
     def decode_loop_linear(weight: torch.Tensor | None, qweight, bias):
         """(the C++ decode loop's LinearSpec for a linear, the most rows at which it runs
-        it exactly as `linear`/`quant_linear` above do), or None if it cannot."""
+        it exactly as `linear`/`quant_linear` above do), or None if it cannot. The loop
+        dispatches by rows as they do: `small_rows`, its small-batch kernel's most."""
         kinds, spec = module.LinearKind, module.LinearSpec
         if qweight is None:
-            if weight.dtype == torch.bfloat16:
-                if small_gemm is None:
-                    return None
-                rows = DECODE_LOOP_MAX_ROWS if batch_invariant else SMALL_GEMM_MAX_ROWS
-                return spec(kind=kinds.DENSE, w=weight, bias=bias), rows
-            if batch_invariant:  # (the loop's float32 product is F.linear's)
-                return None
-            return spec(kind=kinds.DENSE, w=weight, bias=bias), DECODE_LOOP_MAX_ROWS
+            if batch_invariant and weight.dtype == torch.float32:
+                return None  # (the loop's float32 product is F.linear's)
+            dense = spec(kind=kinds.DENSE, w=weight, bias=bias, small_rows=dense_small_rows)
+            return dense, DECODE_LOOP_MAX_ROWS
         if qweight.format == PER_CHANNEL:
             if not int8_small:
                 return None
-            per_channel = spec(kind=kinds.PER_CHANNEL, w=qweight.qs, d=qweight.d, bias=bias)
-            return per_channel, INT8_SMALL_MAX_ROWS
+            per_channel = spec(kind=kinds.PER_CHANNEL, w=qweight.qs, d=qweight.d, bias=bias,
+                               small_rows=INT8_SMALL_MAX_ROWS)  # fmt: skip
+            # (past INT8_SMALL_MAX_ROWS, int8_linear_large: the loop never dequantizes w8a8)
+            return per_channel, min(DECODE_LOOP_MAX_ROWS, w8a8_int_max_rows)
         if not on_blocks:
             return None
         blocks = spec(
             kind=kinds.BLOCKS, w=qweight.qs, d=qweight.d, m=qweight.m, qh=qweight.qh,
-            format=qweight.format_code, bias=bias,
+            format=qweight.format_code, bias=bias, small_rows=blocks_max_rows,
         )  # fmt: skip
-        return blocks, min(QUANT_LINEAR_MAX_ROWS, DECODE_LOOP_MAX_ROWS)
+        return blocks, DECODE_LOOP_MAX_ROWS
 
     add_lora = torch_ops.add_lora
     if module.lora_add_available():
@@ -305,7 +309,7 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
         add_lora=add_lora,
         moe_group=moe_group,
         moe_combine=module.moe_combine,
-        decode_loop=module.DecodeLoop,
+        decode_loop=functools.partial(module.DecodeLoop, dense_small_rows=dense_small_rows),
         decode_loop_linear=decode_loop_linear,
         decode_loop_lora=module.lora_add_available(),
         attention=(

@@ -1,7 +1,9 @@
 """The C++ decode loop (csrc/decode_loop.cpp) against the Python model it stands in for:
 the same tokens and bitwise the same logprobs, for each kind of linear it runs (dense
-float32 and bf16, q4_1 and q8_0 blocks, w8a8, q/k/v bias), at one to sixteen rows, and
-with speculative drafts (decode rows at successive positions)."""
+float32 and bf16, q4_1 and q8_0 blocks, w8a8, q/k/v bias), at one to 64 rows (on the
+small-batch kernels and past them, where bf16 rows are padded and quantized weights
+dequantized as pagoda.ops.cpu does), and with speculative drafts (decode rows at
+successive positions)."""
 
 from __future__ import annotations
 
@@ -32,20 +34,23 @@ def run(model: str, prompts, enforce_eager: bool, **kwargs):
         ("qwen2", {"dtype": "bfloat16", "quantization": "q4_0"}),  # q/k/v bias
     ],
 )
-@pytest.mark.parametrize("batch", [1, 5, 12])  # 12: the loop for blocks, Python for bf16
+# 12: past bf16's and w8a8's small kernels; 37: past the blocks' (and padded to 40)
+@pytest.mark.parametrize("batch", [1, 5, 12, 37])
 def test_decode_loop_equals_eager(tiny_models, arch, kwargs, batch):
-    if kwargs["dtype"] == "bfloat16" and not cpu.load().small_gemm_available():
-        pytest.skip("no AVX512-BF16: bf16 linears are not the loop's")
     prompts = tiny_prompts(LLM(tiny_models[arch]).get_tokenizer(), batch, seed=batch)
     max_rows, got = run(tiny_models[arch], prompts, False, **kwargs)
-    # Blocks (and float32 F.linear) keep their small-batch kernel to 16 rows, bf16
-    # small_gemm and w8a8 to 8.
-    blocks = kwargs.get("quantization", "w8a8") != "w8a8"
-    assert max_rows == (16 if blocks or kwargs == {"dtype": "float32"} else 8)
+    assert max_rows == cpu.DECODE_LOOP_MAX_ROWS
     _, want = run(tiny_models[arch], prompts, True, **kwargs)
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # bitwise: the same kernels, in the same order
+
+
+def test_the_loop_pads_rows_as_python_does():
+    kernels = cpu.load()
+    assert [kernels.bucket_rows(n) for n in range(1, 5000)] == [
+        cpu.bucket_rows(n) for n in range(1, 5000)
+    ]
 
 
 def test_decode_loop_with_speculative_drafts(tiny_llama):
@@ -82,28 +87,26 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "arch, kwargs, max_rows",
+    "arch, kwargs",
     [
-        ("mixtral", {"dtype": "float32"}, 16),
-        ("mixtral", {"dtype": "bfloat16"}, 8),
-        ("qwen2_moe", {"dtype": "bfloat16"}, 8),
-        ("olmoe", {"dtype": "float32"}, 16),  # q/k norms
-        ("olmoe_clip", {"dtype": "bfloat16"}, 8),  # and clip_qkv
+        ("mixtral", {"dtype": "float32"}),
+        ("mixtral", {"dtype": "bfloat16"}),
+        ("qwen2_moe", {"dtype": "bfloat16"}),
+        ("olmoe", {"dtype": "float32"}),  # q/k norms
+        ("olmoe_clip", {"dtype": "bfloat16"}),  # and clip_qkv
         # Quantized experts: one loop linear per expert (Qwen2-MoE's 48-wide downs stay
         # stacked floats beside quantized gate/ups).
-        ("mixtral", {"dtype": "bfloat16", "quantization": "q8_0"}, 16),
-        ("mixtral", {"dtype": "bfloat16", "quantization": "q4_1"}, 16),
-        ("qwen2_moe", {"dtype": "bfloat16", "quantization": "q4_0"}, 8),
-        ("mixtral", {"dtype": "float32", "quantization": "w8a8", "int8_activations": True}, 8),
+        ("mixtral", {"dtype": "bfloat16", "quantization": "q8_0"}),
+        ("mixtral", {"dtype": "bfloat16", "quantization": "q4_1"}),
+        ("qwen2_moe", {"dtype": "bfloat16", "quantization": "q4_0"}),
+        ("mixtral", {"dtype": "float32", "quantization": "w8a8", "int8_activations": True}),
     ],
 )
-@pytest.mark.parametrize("batch", [1, 5, 12])
-def test_decode_loop_runs_moe_layers_as_eager(moe_models, arch, kwargs, max_rows, batch):
-    if kwargs["dtype"] == "bfloat16" and not cpu.load().small_gemm_available():
-        pytest.skip("no AVX512-BF16: bf16 linears are not the loop's")
+@pytest.mark.parametrize("batch", [1, 5, 37])  # 37: some experts past their small kernels
+def test_decode_loop_runs_moe_layers_as_eager(moe_models, arch, kwargs, batch):
     prompts = tiny_prompts(LLM(moe_models[arch]).get_tokenizer(), batch, seed=batch)
     used, got = run(moe_models[arch], prompts, False, **kwargs)
-    assert used == max_rows
+    assert used == cpu.DECODE_LOOP_MAX_ROWS
     _, want = run(moe_models[arch], prompts, True, **kwargs)
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
