@@ -140,7 +140,7 @@ class KVTier:
                         self.stats.ram_hits += 1
                 if payload is None:
                     payload = self._read(block_hash)
-                    if payload is not None:
+                    if payload is not None and self.ram_bytes:  # (a copy: the file's view)
                         self._keep_in_ram([(block_hash, bytes(payload))])
                 if payload is None:
                     break

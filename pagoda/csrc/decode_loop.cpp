@@ -101,19 +101,20 @@ struct Linear {
   at::Tensor w;  // dense [N, K], or the quants (qs)
   c10::optional<at::Tensor> d, m, qh, bias;
   int64_t format;
-  int64_t small_rows;  // the most rows its small-batch kernel takes
+  int64_t small_rows;  // quantized: the most rows its small-batch kernel takes
   c10::optional<LoRASlots> lora;
 
-  // As pagoda.ops.cpu dispatches: dense as `dense` above; quantized, up to small_rows
-  // quant_linear on the blocks or int8_linear_small per channel, past them the blocks
-  // dequantized into `scratch` and a dense product, or per channel int8_linear_large on
-  // padded rows; then the adapters' part. dense_small_rows: `dense`'s, for bf16.
+  // As pagoda.ops.cpu dispatches: dense as `dense` above (dense_small_rows: the loop's,
+  // for bf16); quantized, up to small_rows quant_linear on the blocks or
+  // int8_linear_small per channel, past them the blocks dequantized into `scratch` and
+  // a dense product, or per channel int8_linear_large on padded rows; then the
+  // adapters' part.
   at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& segments,
                         at::Tensor& scratch, int64_t dense_small_rows) const {
     const int64_t n = x.size(0);
     at::Tensor y;
     if (kind == kDense) {
-      y = dense(x, w, bias, small_rows);
+      y = dense(x, w, bias, dense_small_rows);
     } else if (n <= small_rows) {
       y = kind == kBlocks ? quant_linear(x.contiguous(), w, *d, m, format, bias, qh)
                           : int8_linear_small(x.contiguous(), w, *d, bias);
@@ -387,7 +388,7 @@ void bind_decode_loop(py::module_& m) {
            }),
            py::kw_only(), py::arg("kind"), py::arg("w"), py::arg("d") = py::none(),
            py::arg("m") = py::none(), py::arg("qh") = py::none(), py::arg("format") = 0,
-           py::arg("bias") = py::none(), py::arg("small_rows"))
+           py::arg("bias") = py::none(), py::arg("small_rows") = 0)
       .def_readonly("kind", &Linear::kind)
       .def_readonly("w", &Linear::w)
       .def_readonly("format", &Linear::format);

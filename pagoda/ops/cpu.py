@@ -256,7 +256,7 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
         if qweight is None:
             if batch_invariant and weight.dtype == torch.float32:
                 return None  # (the loop's float32 product is F.linear's)
-            dense = spec(kind=kinds.DENSE, w=weight, bias=bias, small_rows=dense_small_rows)
+            dense = spec(kind=kinds.DENSE, w=weight, bias=bias)  # (the loop's dense_small_rows)
             return dense, DECODE_LOOP_MAX_ROWS
         if qweight.format == PER_CHANNEL:
             if not int8_small:
