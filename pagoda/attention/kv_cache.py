@@ -15,10 +15,13 @@ hold 1.9x (bf16 model) or 3.9x (float32) the tokens for the same bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pagoda.model_executor.huge_pages import huge_page_zeros
 
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -93,8 +96,11 @@ class PagedKVCache:
         `num_kv`: 2 (K and V), or 1 (MLA's latent rows)."""
         shape = (num_layers, num_kv, num_blocks, block_size, num_kv_heads)
         kw = dict(device=device, pin_memory=pin_memory)
-        self.data = torch.zeros((*shape, head_dim), dtype=dtype, **kw)
-        self.scales = torch.zeros(shape, dtype=torch.float16, **kw) if dtype in _QMAX else None
+        # Decode attention streams the cache as it streams the weights: huge pages.
+        on_huge_pages = torch.device(device).type == "cpu" and not pin_memory
+        zeros = huge_page_zeros if on_huge_pages else functools.partial(torch.zeros, **kw)
+        self.data = zeros((*shape, head_dim), dtype=dtype)
+        self.scales = zeros(shape, dtype=torch.float16) if dtype in _QMAX else None
 
     @classmethod
     def of(

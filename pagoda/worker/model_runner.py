@@ -78,7 +78,8 @@ class ModelRunner:
             model_config.int8_activations,
             model_config.batch_invariant,
         )
-        self.model = load_model(model_config, self.ops, parallel).to(self.device)
+        on_cpu = self.device.type == "cpu"
+        self.model = load_model(model_config, self.ops, parallel, on_cpu).to(self.device)
         self.drafter = None  # speculative method "draft": its model and KV pool
         if draft_model_config is not None:
             self.drafter = DraftModel(draft_model_config, self.ops, self.block_size)

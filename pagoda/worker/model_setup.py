@@ -4,22 +4,31 @@ and its draft model)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagoda.attention.kv_cache import KVShape, PagedKVCache
 from pagoda.config import ModelConfig
 from pagoda.distributed import SINGLE, ParallelContext
 from pagoda.model_executor import model_loader
+from pagoda.model_executor.huge_pages import move_to_huge_pages
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.mla import MLAttention
 from pagoda.model_executor.models import BASE_MODEL, BIDIRECTIONAL, CLASSIFIER, model_class, needs
 from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.ops import TORCH_OPS
 
+logger = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(mc: ModelConfig, ops, parallel: ParallelContext = SINGLE) -> torch.nn.Module:
+def load_model(
+    mc: ModelConfig, ops, parallel: ParallelContext = SINGLE, huge_pages: bool = True
+) -> torch.nn.Module:
+    """`huge_pages`: the weights moved onto transparent huge pages (a model that stays
+    on the CPU; see pagoda.model_executor.huge_pages)."""
     # Built with uninitialized (so never touched, never resident) float32 weights; each
     # gets its storage as it loads, in the model's dtype or in its quantized blocks.
     # (Not the meta device: its first use imports about 70 MiB of Python.)
@@ -45,6 +54,10 @@ def load_model(mc: ModelConfig, ops, parallel: ParallelContext = SINGLE) -> torc
     if decoder_classifier:
         model.score = classifier_head(mc, model, head.get("score.weight"))
         model.lm_head = None  # (logits of the whole vocabulary are never asked of it)
+    if huge_pages:
+        moved = move_to_huge_pages(model)
+        if moved:
+            logger.info("weights on transparent huge pages: %.1f MiB", moved / 2**20)
     _release_free_memory()  # the loader's scratch (file parses, repacking) goes back
     return model.eval()
 
