@@ -3,8 +3,9 @@
 A decode step streams every weight once, and at a few thousand tokens of context the KV
 cache as well. On 4 KiB pages that stream misses the TLB every 4 KiB; on 2 MiB pages
 the same kernels read faster. Measured (`benchmarks/huge_pages.py`, AMD EPYC, 2
-threads): `quant_linear` at one row over Qwen3-1.7B's 28 Q4_0 layers, 32.0 ms on 4 KiB
-pages against 26.5 ms on 2 MiB pages; Q8_0 56.1 against 50.2 ms.
+threads; docs/perf/huge_pages.json): `quant_linear` at one row over Qwen3-1.7B's 28
+Q4_0 layers, 30.5 ms on 4 KiB pages against 27.2 ms on 2 MiB pages; Q8_0 51.4 against
+48.4 ms.
 
 The kernel's usual mode, "madvise", gives huge pages only to memory advised for them.
 PyTorch's allocator advises only under THP_MEM_ALLOC_ENABLE=1, read once at its first
@@ -80,32 +81,37 @@ def move_to_huge_pages(model: torch.nn.Module, min_bytes: int = 1 << 16) -> int:
     buffers, plain tensor attributes, QuantizedWeights' parts, also in lists) into one
     arena on huge pages, each tensor's view of its storage kept (tied weights stay one
     tensor). Returns the bytes moved (0 where the kernel has no huge pages)."""
-    refs: dict[int, list[tuple[torch.Tensor, Callable]]] = {}
+    # Per storage: the storage, and each place that views it with the view's geometry,
+    # taken now (a parameter tied into two modules is listed twice and moved at the first).
+    places: dict[int, tuple[torch.UntypedStorage, list[tuple]]] = {}
     for tensor, put in _tensor_refs(model):
         storage = tensor.untyped_storage()
         if tensor.device.type == "cpu" and storage.nbytes() >= min_bytes:
-            refs.setdefault(storage.data_ptr(), []).append((tensor, put))
-    sizes = {ptr: found[0][0].untyped_storage().nbytes() for ptr, found in refs.items()}
-    arena = huge_page_buffer(sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values()))
+            view = (put, tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
+            places.setdefault(storage.data_ptr(), (storage, []))[1].append(view)
+    total = sum(_aligned(storage.nbytes()) for storage, _ in places.values())
+    arena = huge_page_buffer(total)
     if arena is None:
         return 0
     base, at = arena.storage_offset(), 0
-    for ptr, found in refs.items():
-        n = sizes[ptr]
-        old = torch.empty(0, dtype=torch.uint8).set_(found[0][0].untyped_storage(), 0, (n,))
-        arena[at : at + n].copy_(old)
-        for tensor, put in found:
-            size = tensor.element_size()
+    while places:  # one storage at a time, each let go once moved: peak = model + one
+        storage, views = places.pop(next(iter(places)))
+        n = storage.nbytes()
+        arena[at : at + n].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,)))
+        del storage
+        for put, dtype, offset, shape, stride in views:
+            size = torch.empty(0, dtype=dtype).element_size()
             put(
-                torch.empty(0, dtype=tensor.dtype).set_(
-                    arena.untyped_storage(),
-                    (base + at) // size + tensor.storage_offset(),
-                    tensor.shape,
-                    tensor.stride(),
+                torch.empty(0, dtype=dtype).set_(
+                    arena.untyped_storage(), (base + at) // size + offset, shape, stride
                 )
             )
-        at += -(-n // _ALIGN) * _ALIGN
+        at += _aligned(n)
     return at
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _tensor_refs(model: torch.nn.Module) -> Iterator[tuple[torch.Tensor, Callable]]:

@@ -50,11 +50,19 @@ def _blocks(n: int, nb: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_thp
-def test_a_model_moves_whole_with_ties_and_views():
+@pytest.mark.parametrize("shift", [0, 4096 + 64])
+def test_a_model_moves_whole_with_ties_and_views(monkeypatch, shift):
+    """`shift`: the arena starts that far into its mapping (a kernel whose anonymous
+    mappings are not 2 MiB aligned), so that every view's offset counts."""
+    from pagoda.model_executor import huge_pages
+
+    unshifted = huge_pages.huge_page_buffer
+    monkeypatch.setattr(huge_pages, "huge_page_buffer", lambda n: unshifted(n + shift)[shift:])
     shared = torch.nn.Parameter(torch.randn(512, 256), requires_grad=False)
     big = torch.randn(300, 256)
     qw = QuantizedWeight("q4_0", *_blocks(512, 64, 16))
     root = torch.nn.Module()
+    root.first = torch.nn.Linear(128, 128, bias=False)  # moved before the tied parameter
     root.a, root.b = Holder(shared, qw), Holder(shared, qw)  # tied: one parameter, one qw
     root.a.view_lo, root.a.view_hi = big[:100], big[100:]  # two views of one storage
     before = {k: v.clone() for k, v in root.state_dict().items()}
@@ -63,11 +71,11 @@ def test_a_model_moves_whole_with_ties_and_views():
 
     moved = move_to_huge_pages(root, min_bytes=1 << 16)
 
-    # Each distinct storage of at least 64 KiB, once: the tied parameter (512 KiB), two
+    # Each distinct storage of at least 64 KiB, once: `first` (64 KiB), the tied parameter (512 KiB), two
     # buffers (128 KiB each), two plain tensors (256 KiB each), `big` under its two
     # views (300 KiB), the tied QuantizedWeight's qs (512 KiB) and d (64 KiB). Not the
     # second experts' 32 KiB blocks, nor `small`.
-    assert moved == 2**19 + 2 * 2**17 + 2 * 2**18 + 300 * 1024 + 2**19 + 2**16
+    assert moved == 2**16 + 2**19 + 2 * 2**17 + 2 * 2**18 + 300 * 1024 + 2**19 + 2**16
     assert root.state_dict().keys() == before.keys()
     for k, v in root.state_dict().items():
         assert torch.equal(v, before[k]), k
