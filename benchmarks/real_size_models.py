@@ -11,7 +11,8 @@ and llama-quantize the Q4_0 and Q8_0 ones.
         [--families qwen3-1.7b gemma-3-1b phi-4-mini] [--types Q4_0 Q8_0]
 
 SRC: a llama.cpp source tree (the llama-cpp-python sdist's vendor/llama.cpp); BIN:
-its build's bin folder (llama-quantize). Prints each file's path.
+its build's bin folder (llama-quantize). Prints each file's path. The converter's
+Qwen path imports `sentencepiece` (pip install sentencepiece) even for a BPE vocabulary.
 """
 
 from __future__ import annotations
