@@ -60,7 +60,7 @@ def run(module, weights, x: dict[int, torch.Tensor], code: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--formats", nargs="+", default=["q4_0", "q8_0"])
+    parser.add_argument("--formats", nargs="+", choices=("q4_0", "q8_0"), default=["q4_0", "q8_0"])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
+import math
 import mmap
 import re
 from collections.abc import Callable, Iterator
@@ -28,8 +28,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pagoda.model_executor.quantization import QuantizedWeight
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor's start in an arena: a cache line
@@ -66,11 +64,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype), on huge pages where the kernel has them; written
     now, as torch.zeros writes, so that it is resident from the start."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    size = torch.tensor([], dtype=dtype).element_size()
-    buffer = huge_page_buffer(numel * size)
+    buffer = huge_page_buffer(math.prod(shape) * dtype.itemsize)
     if buffer is None:
         return torch.zeros(shape, dtype=dtype)
     return buffer.view(dtype).view(shape).zero_()
@@ -100,12 +94,8 @@ def move_to_huge_pages(model: torch.nn.Module, min_bytes: int = 1 << 16) -> int:
         arena[at : at + n].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,)))
         del storage
         for put, dtype, offset, shape, stride in views:
-            size = torch.empty(0, dtype=dtype).element_size()
-            put(
-                torch.empty(0, dtype=dtype).set_(
-                    arena.untyped_storage(), (base + at) // size + offset, shape, stride
-                )
-            )
+            start = (base + at) // dtype.itemsize + offset
+            put(torch.empty(0, dtype=dtype).set_(arena.untyped_storage(), start, shape, stride))
         at += _aligned(n)
     return at
 

@@ -71,10 +71,10 @@ def test_a_model_moves_whole_with_ties_and_views(monkeypatch, shift):
 
     moved = move_to_huge_pages(root, min_bytes=1 << 16)
 
-    # Each distinct storage of at least 64 KiB, once: `first` (64 KiB), the tied parameter (512 KiB), two
-    # buffers (128 KiB each), two plain tensors (256 KiB each), `big` under its two
-    # views (300 KiB), the tied QuantizedWeight's qs (512 KiB) and d (64 KiB). Not the
-    # second experts' 32 KiB blocks, nor `small`.
+    # Each distinct storage of at least 64 KiB, once: `first` (64 KiB), the tied
+    # parameter (512 KiB), two buffers (128 KiB each), two plain tensors (256 KiB each),
+    # `big` under its two views (300 KiB), the tied QuantizedWeight's qs (512 KiB) and
+    # d (64 KiB). Not the second experts' 32 KiB blocks, nor `small`.
     assert moved == 2**16 + 2**19 + 2 * 2**17 + 2 * 2**18 + 300 * 1024 + 2**19 + 2**16
     assert root.state_dict().keys() == before.keys()
     for k, v in root.state_dict().items():
