@@ -125,7 +125,9 @@ def int8_gops(
 
         def product(x: torch.Tensor) -> torch.Tensor:
             code = weight.format_code
-            return module.quant_linear(x, weight.qs, weight.d, weight.m, code, None, qh=weight.qh)
+            return module.quant_linear(
+                x, weight.qs, weight.d, weight.m, code, None, qh=weight.qh, sc=weight.sc
+            )
 
     out_features, in_features = weight.shape
     gops = {}

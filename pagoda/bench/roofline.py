@@ -109,7 +109,7 @@ def model_cost(model: nn.Module, kv_bytes_per_token: int) -> ModelCost:
         qweights = [getattr(module, "qweight", None)]  # a Linear's or an Embedding's
         qweights += (getattr(module, "q13", None) or []) + (getattr(module, "q2", None) or [])
         for q in qweights:  # (a FusedMoE's experts, one QuantizedWeight each)
-            tensors += [] if q is None else [q.qs, q.d, q.m, q.qh]
+            tensors += [] if q is None else list(q.parts())
         return tensors
 
     lm_head = getattr(model, "lm_head", None)

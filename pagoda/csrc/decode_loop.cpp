@@ -35,14 +35,14 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                         int64_t format, c10::optional<at::Tensor> bias,
-                        c10::optional<at::Tensor> qh);
+                        c10::optional<at::Tensor> qh, c10::optional<at::Tensor> sc);
 at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
 at::Tensor int8_linear_large(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
 at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
                       at::ScalarType dtype, c10::optional<at::Tensor> out_buffer,
-                      c10::optional<at::Tensor> qh);
+                      c10::optional<at::Tensor> qh, c10::optional<at::Tensor> sc);
 void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks,
               std::vector<int64_t> slice_offsets, at::Tensor segments);
 std::vector<at::Tensor> moe_group(at::Tensor x, at::Tensor router_logits, int64_t top_k,
@@ -99,7 +99,7 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 struct Linear {
   LinearKind kind;
   at::Tensor w;  // dense [N, K], or the quants (qs)
-  c10::optional<at::Tensor> d, m, qh, bias;
+  c10::optional<at::Tensor> d, m, qh, sc, bias;
   int64_t format;
   int64_t small_rows;  // quantized: the most rows its small-batch kernel takes
   c10::optional<LoRASlots> lora;
@@ -116,7 +116,7 @@ struct Linear {
     if (kind == kDense) {
       y = dense(x, w, bias, dense_small_rows);
     } else if (n <= small_rows) {
-      y = kind == kBlocks ? quant_linear(x.contiguous(), w, *d, m, format, bias, qh)
+      y = kind == kBlocks ? quant_linear(x.contiguous(), w, *d, m, format, bias, qh, sc)
                           : int8_linear_small(x.contiguous(), w, *d, bias);
     } else if (kind == kPerChannel) {
       y = int8_linear_large(pad_rows(x.contiguous()), w, *d, bias).narrow(0, 0, n);
@@ -124,7 +124,7 @@ struct Linear {
       const int64_t numel = w.size(0) * w.size(1) * 32;  // [N, K / 32 blocks, ...]
       if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() || scratch.numel() < numel)
         scratch = at::empty({numel}, x.options());  // (reused: fresh pages cost a fault each)
-      y = dense(x, dequantize(w, *d, m, format, x.scalar_type(), scratch, qh), bias,
+      y = dense(x, dequantize(w, *d, m, format, x.scalar_type(), scratch, qh, sc), bias,
                 dense_small_rows);
     }
     if (lora.has_value() && segments.has_value())
@@ -382,12 +382,14 @@ void bind_decode_loop(py::module_& m) {
   py::enum_<Activation>(m, "Activation").value("SILU", kSilu).value("GELU_TANH", kGeluTanh);
   py::class_<Linear>(m, "LinearSpec")
       .def(py::init([](LinearKind kind, at::Tensor w, c10::optional<at::Tensor> d,
-                       c10::optional<at::Tensor> m, c10::optional<at::Tensor> qh, int64_t format,
+                       c10::optional<at::Tensor> m, c10::optional<at::Tensor> qh,
+                       c10::optional<at::Tensor> sc, int64_t format,
                        c10::optional<at::Tensor> bias, int64_t small_rows) {
-             return Linear{kind, w, d, m, qh, bias, format, small_rows, c10::nullopt};
+             return Linear{kind, w, d, m, qh, sc, bias, format, small_rows, c10::nullopt};
            }),
            py::kw_only(), py::arg("kind"), py::arg("w"), py::arg("d") = py::none(),
-           py::arg("m") = py::none(), py::arg("qh") = py::none(), py::arg("format") = 0,
+           py::arg("m") = py::none(), py::arg("qh") = py::none(), py::arg("sc") = py::none(),
+           py::arg("format") = 0,
            py::arg("bias") = py::none(), py::arg("small_rows") = 0)
       .def_readonly("kind", &Linear::kind)
       .def_readonly("w", &Linear::w)

@@ -14,10 +14,10 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Te
 bool quant_linear_available();
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                         int64_t format, c10::optional<at::Tensor> bias,
-                        c10::optional<at::Tensor> qh);
+                        c10::optional<at::Tensor> qh, c10::optional<at::Tensor> sc);
 at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
                       at::ScalarType dtype, c10::optional<at::Tensor> out_buffer,
-                      c10::optional<at::Tensor> qh);
+                      c10::optional<at::Tensor> qh, c10::optional<at::Tensor> sc);
 bool int8_linear_small_available();
 at::Tensor int8_linear_small(at::Tensor x, at::Tensor w, at::Tensor w_scale,
                              c10::optional<at::Tensor> bias);
@@ -50,10 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_available", &quant_linear_available, "Whether quant_linear was built (AVX512-VNNI)");
   m.def("quant_linear", &quant_linear, "y = x @ dequant(w).T (+ bias), int8 activations (CPU)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("format"),
-        py::arg("bias"), py::arg("qh") = py::none());
+        py::arg("bias"), py::arg("qh") = py::none(), py::arg("sc") = py::none());
   m.def("dequantize", &dequantize, "A block-quantized weight as a float matrix (CPU)",
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("format"), py::arg("dtype"),
-        py::arg("out_buffer") = py::none(), py::arg("qh") = py::none());
+        py::arg("out_buffer") = py::none(), py::arg("qh") = py::none(), py::arg("sc") = py::none());
   m.def("int8_linear_small_available", &int8_linear_small_available,
         "Whether int8_linear_small was built (AVX512-VNNI)");
   m.def("int8_linear_small", &int8_linear_small,

@@ -29,17 +29,12 @@
 #include <cstring>
 #include <vector>
 
-#include "simd.h"
-
-
-
+#include "quant_blocks.h"
 
 namespace {
+using namespace pagoda_quant;
 
-constexpr int64_t kBlock = 32;
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4 };
 
-int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 32 : 16; }
 bool has_high_bits(int64_t format) { return format == kQ5_0 || format == kQ5_1; }
 float offset_of(int64_t format) {
   return format == kQ8_0 ? 128.f : format == kQ4_0 ? 8.f : format == kQ5_0 ? 16.f : 0.f;
@@ -131,76 +126,6 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, co
 #endif
 
 #ifdef PAGODA_HAS_VNNI
-// ---- activations ---------------------------------------------------------------------
-
-struct Activations {
-  int64_t groups;            // 64-byte loads a row of weights takes
-  std::vector<int8_t> q;     // [M, groups, 64] (q4: [M, groups, 2, 64], low then high halves)
-  std::vector<float> scale;  // [M, groups, 16]: d_a of the block each lane belongs to
-  std::vector<float> sum;    // [M, groups * blocks per load]: s_a, zero past the last block
-};
-
-// One row's blocks: codes in the layout the dot products read, the lane scales, s_a.
-// Vectorized where AVX512 is: the same float operations as the scalar form (max of
-// |x|, d = amax / 127, x * (1 / d) rounded to nearest even), so the same codes.
-template <typename Tin>
-void quantize_row_blocks(const Tin* x, int64_t nb, int64_t per_load, bool q4, Activations& a,
-                         int64_t i) {
-  const int64_t lanes = 16 / per_load;  // int32 lanes per block
-  const int64_t halves = q4 ? 2 : 1;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t g = b / per_load, slot = b % per_load;
-    int8_t* dst = a.q.data() + ((i * a.groups + g) * halves) * 64;
-    float d;
-    int32_t total;
-#if defined(__AVX512F__)
-    using pagoda_simd::load16;
-    const __m512 lo = load16(x + b * kBlock, 0xFFFF), hi = load16(x + b * kBlock + 16, 0xFFFF);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    d = amax / 127.f;
-    const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));  // ties to even
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
-    total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-    // q4: byte j of a block pairs with element j (low nibble) and j + 16 (high).
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? slot * 16 : slot * 32)), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? 64 + slot * 16 : slot * 32 + 16)), _mm512_cvtepi32_epi8(qhi));
-#else
-    float v[kBlock];
-    float amax = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      v[j] = static_cast<float>(x[b * kBlock + j]);
-      amax = std::max(amax, std::fabs(v[j]));
-    }
-    d = amax / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
-    total = 0;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(v[j] * id));  // ties to even
-      total += q;
-      const int64_t at = q4 ? (j / 16) * 64 + slot * 16 + j % 16 : slot * 32 + j;
-      dst[at] = static_cast<int8_t>(q);
-    }
-#endif
-    for (int64_t l = 0; l < lanes; ++l) a.scale[(i * a.groups + g) * 16 + slot * lanes + l] = d;
-    a.sum[i * a.groups * per_load + b] = d * static_cast<float>(total);
-  }
-}
-
-template <typename Tin>
-Activations quantize_activations(const Tin* x, int64_t M, int64_t K, int64_t format) {
-  const int64_t nb = K / kBlock;
-  const int64_t per_load = 64 / block_bytes(format);  // blocks per 64-byte weight load
-  const bool q4 = format != kQ8_0;
-  Activations a;
-  a.groups = (nb + per_load - 1) / per_load;
-  a.q.assign(M * a.groups * (q4 ? 2 : 1) * 64, 0);
-  a.scale.assign(M * a.groups * 16, 0.f);
-  a.sum.assign(M * a.groups * per_load, 0.f);
-  for (int64_t i = 0; i < M; ++i) quantize_row_blocks(x + i * K, nb, per_load, q4, a, i);
-  return a;
-}
-
 // ---- the dot products ------------------------------------------------------------
 
 // 16 fp32 lanes holding the fp16 scales of the `count` blocks at p, each repeated over
@@ -312,8 +237,12 @@ bool quant_linear_available() {
 
 at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, int64_t format,
                       at::ScalarType dtype, c10::optional<at::Tensor> out_buffer,
-                      c10::optional<at::Tensor> qh) {
-  check_weight(qs, d, m, qh, format);
+                      c10::optional<at::Tensor> qh, c10::optional<at::Tensor> sc) {
+  KWeight kw{};
+  if (is_k_quant(format))
+    kw = check_k_weight(qs, d, m, qh, sc, format);
+  else
+    check_weight(qs, d, m, qh, format);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
   const int64_t N = qs.size(0), nb = qs.size(1);
   // Into `out_buffer` (at least N * K elements of dtype) when given: a large weight in a
@@ -330,9 +259,14 @@ at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, 
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.has_value() ? m->data_ptr<at::Half>() : nullptr;
-  const int32_t* hp = qh.has_value() ? qh->data_ptr<int32_t>() : nullptr;
+  const int32_t* hp = qh.has_value() && !is_k_quant(format) ? qh->data_ptr<int32_t>() : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    if (dtype == at::kFloat)
+    if (is_k_quant(format)) {
+      if (dtype == at::kFloat)
+        dequantize_k_rows(kw, out.data_ptr<float>(), n0, n1);
+      else
+        dequantize_k_rows(kw, out.data_ptr<at::BFloat16>(), n0, n1);
+    } else if (dtype == at::kFloat)
       dequantize_rows(q, dp, mp, hp, format, out.data_ptr<float>(), nb, n0, n1);
     else
       dequantize_rows(q, dp, mp, hp, format, out.data_ptr<at::BFloat16>(), nb, n0, n1);
@@ -342,9 +276,13 @@ at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, 
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                         int64_t format, c10::optional<at::Tensor> bias,
-                        c10::optional<at::Tensor> qh) {
+                        c10::optional<at::Tensor> qh, c10::optional<at::Tensor> sc) {
 #ifdef PAGODA_HAS_VNNI
-  check_weight(qs, d, m, qh, format);
+  KWeight kw{};
+  if (is_k_quant(format))
+    kw = check_k_weight(qs, d, m, qh, sc, format);
+  else
+    check_weight(qs, d, m, qh, format);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
@@ -360,10 +298,12 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.has_value() ? m->data_ptr<at::Half>() : nullptr;
-  const int32_t* hp = qh.has_value() ? qh->data_ptr<int32_t>() : nullptr;
+  const int32_t* hp = qh.has_value() && !is_k_quant(format) ? qh->data_ptr<int32_t>() : nullptr;
   auto run = [&](auto* out) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       switch (format) {
+        case kQ4_K:
+        case kQ6_K: return k_dot_all(a, kw, bp, out, M, n0, n1);
         case kQ8_0: return dot_all<kQ8_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
         case kQ4_0: return dot_all<kQ4_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
         case kQ4_1: return dot_all<kQ4_1>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);

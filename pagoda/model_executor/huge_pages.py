@@ -123,7 +123,7 @@ def _refs_in(value, put: Callable) -> Iterator[tuple[torch.Tensor, Callable]]:
     if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
         yield value, put
     elif isinstance(value, QuantizedWeight):
-        for field in ("qs", "d", "m", "qh"):
+        for field in QuantizedWeight.TENSOR_FIELDS:
             if getattr(value, field) is not None:
                 yield getattr(value, field), functools.partial(setattr, value, field)
     elif isinstance(value, list):

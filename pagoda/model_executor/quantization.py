@@ -1,5 +1,5 @@
-"""Quantized weights: the block formats q8_0, q4_0, q4_1, q5_0, q5_1, and w8a8 (int8 per
-channel).
+"""Quantized weights: the block formats q8_0, q4_0, q4_1, q5_0, q5_1, GGUF's K-quants
+q4_k and q6_k, and w8a8 (int8 per channel).
 
 A `QuantizedWeight` is an [N, K] matrix stored as blocks of 32 weights along K, one
 fp16 scale each (and a minimum where the source had one), repacked at load into one
@@ -8,12 +8,25 @@ array per part so that each kernel reads its part contiguously:
     qs  uint8 [N, K/32, 16]  4-bit: element j of a block in byte j's low nibble,
                              element j + 16 in its high nibble (as GGUF has them)
     qh  int32 [N, K/32]      5-bit only: bit j is element j's fifth (high) bit
-        uint8 [N, K/32, 32]  8-bit: stored + 128, so every weight byte is unsigned
+        uint8 [N, K/32, 32]  8-bit: stored + 128, so that every weight byte is unsigned
     d   float16 [N, K/32]    the block's scale
     m   float16 [N, K/32]    the block's minimum: always for q4_1, optional for q8_0
                              (5-bit sources with a minimum), else None
 
     weight = d * (q - offset) + m      offset: 8 (q4_0), 16 (q5_0), 128 (q8_0), 0 (q4_1, q5_1)
+
+The K-quants keep GGUF's super-blocks of 256 weights (one fp16 scale, and integer
+scales for each 32 or 16 weights under it), so they take as many bits as in the file
+(4.625 and 6.5625 a weight) and K must be a multiple of 256:
+
+    q4_k  qs as 4-bit above; d, m float16 [N, K/256] (the super-block's d and dmin);
+          sc uint8 [N, K/32, 2] (each 32's 6-bit scale and minimum)
+          weight = d * sc[0] * q - m * sc[1]
+    q6_k  qs as 4-bit above (the low four bits); qh uint8 [N, K/128, 32] (the high two
+          bits of 128 weights: byte i holds, from bit 0, those of elements i and i + 32
+          of the low nibbles in the four blocks' qs, then i and i + 32 of the high ones);
+          d float16 [N, K/256]; sc int8 [N, K/32, 2] (the scales of elements 0-15, 16-31)
+          weight = d * sc[j // 16] * (q - 32)
 
 `w8a8` is W8A8 as vLLM has it (without SmoothQuant's calibration), made at load from
 float weights: qs int8 [N, K], d float32 [N] (one scale per output channel),
@@ -21,10 +34,10 @@ weight = d * q; its kernels quantize the activations per row (not per block of 3
 and multiply integers, which oneDNN's integer GEMM can do for large batches.
 
 Every quantized GGUF type loads into one of them (`from_gguf`): Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1 as they are; Q4_K and Q5_K into q4_1 and q5_1 (their integer codes kept,
-the per-32 scales d * sc and minimums dmin * m rounded once to fp16); any other type
-(Q6_K, Q2_K, Q3_K, IQ*) is requantized to q8_0, which adds at most half an 8-bit step
-to each weight. The kernels (pagoda.ops) run linear layers on the blocks directly;
+Q5_0, Q5_1, Q4_K and Q6_K as they are; Q5_K into q5_1 (its integer codes kept, the
+per-32 scales d * sc and minimums dmin * m rounded once to fp16); any other type
+(Q2_K, Q3_K, IQ*) is requantized to q8_0, which adds at most half an 8-bit step to
+each weight. The kernels (pagoda.ops) run linear layers on the blocks directly;
 nothing is expanded to a float matrix in memory except, transiently, for a
 prefill-sized product.
 
@@ -43,16 +56,18 @@ import torch
 
 BLOCK = 32  # weights per block, every format
 # Block formats; index = the C++ kernels' format code.
-FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
+SUPER_BLOCK = 256  # weights per K-quant super-block
+K_QUANTS = ("q4_k", "q6_k")
 PER_CHANNEL = "w8a8"
-OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0}
+OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0, "q4_k": 0, "q6_k": 32}
 # GGUF's raw block: (format, fp16 fields, bytes of high bits, quant bytes), in that order.
 _GGUF_LAYOUT = {
     "Q8_0": ("q8_0", 1, 0, 32), "Q4_0": ("q4_0", 1, 0, 16), "Q4_1": ("q4_1", 2, 0, 16),
     "Q5_0": ("q5_0", 1, 4, 16), "Q5_1": ("q5_1", 2, 4, 16),
 }  # fmt: skip
 # GGUF types whose integer codes are kept, and the format that holds them.
-_GGUF_RECODED = {"Q4_K": "q4_1", "Q5_K": "q5_1"}
+_GGUF_RECODED = {"Q5_K": "q5_1"}
 # GGUF tensor types that hold floats or integers, not blocks: never kept quantized.
 GGUF_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 
@@ -63,7 +78,8 @@ class QuantizedWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
-    qh: torch.Tensor | None = None  # q5_0, q5_1
+    qh: torch.Tensor | None = None  # q5_0, q5_1, q6_k
+    sc: torch.Tensor | None = None  # q4_k, q6_k
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,52 +91,97 @@ class QuantizedWeight:
     def format_code(self) -> int:
         return FORMATS.index(self.format)
 
+    TENSOR_FIELDS = ("qs", "d", "m", "qh", "sc")  # (a ClassVar: no annotation)
+
+    def parts(self) -> tuple[torch.Tensor | None, ...]:
+        """qs, d, m, qh, sc: the fields that hold tensors, in the constructor's order."""
+        return tuple(getattr(self, field) for field in self.TENSOR_FIELDS)
+
+    def map(self, fn) -> QuantizedWeight:
+        """The same weight with `fn` applied to each of its tensors (a gather, a copy)."""
+        return QuantizedWeight(self.format, *(None if t is None else fn(t) for t in self.parts()))
+
     @property
     def nbytes(self) -> int:
-        parts = (self.qs, self.d, self.m, self.qh)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.parts() if t is not None)
 
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
         """The weight's rows `index` (a gather: an embedding lookup, a row permutation)."""
-        m = self.m[index] if self.m is not None else None
-        qh = self.qh[index] if self.qh is not None else None
-        return QuantizedWeight(self.format, self.qs[index], self.d[index], m, qh)
+        return self.map(lambda t: t[index])
 
     def columns(self, start: int, end: int) -> QuantizedWeight:
-        """The weight's columns [start, end) (a row-parallel shard): whole blocks only."""
+        """The weight's columns [start, end) (a row-parallel shard): whole blocks (whole
+        super-blocks for the K-quants) only."""
         if self.format == PER_CHANNEL:  # one scale per row: every column keeps it
             return QuantizedWeight(self.format, self.qs[:, start:end].contiguous(), self.d)
-        if start % BLOCK or end % BLOCK:
+        unit = SUPER_BLOCK if self.format in K_QUANTS else BLOCK
+        if start % unit or end % unit:
             raise ValueError(
-                f"columns {start}:{end} of a {self.format} weight cut its blocks of {BLOCK}."
+                f"columns {start}:{end} of a {self.format} weight cut its blocks of {unit}."
             )
-        cut = slice(start // BLOCK, end // BLOCK)
+        k = self.shape[1]
 
-        def part(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[:, cut].contiguous()
+        def part(t: torch.Tensor) -> torch.Tensor:
+            per = k // t.shape[1]  # weights along K per index of this part's dim 1
+            return t[:, start // per : end // per].contiguous()
 
-        return QuantizedWeight(
-            self.format, part(self.qs), part(self.d), part(self.m), part(self.qh)
-        )
+        return self.map(part)
 
     def codes(self) -> torch.Tensor:
         """The integer codes q, int16 [N, K/32, 32] (block formats)."""
         if self.format == "q8_0":
             return self.qs.to(torch.int16)
         codes = torch.cat((self.qs & 0x0F, self.qs >> 4), -1).to(torch.int16)
-        if self.qh is not None:  # bit j of qh: element j's fifth bit
+        if self.format == "q6_k":  # the high two bits, four fields a byte (see above)
+            shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+            fields = (self.qh.unsqueeze(-2) >> shifts) & 3  # [N, K/128, 4, 32]
+            n, groups = fields.shape[:2]
+            low, high = fields[:, :, :2].reshape(n, groups, 4, 16), fields[:, :, 2:]
+            high = torch.cat((low, high.reshape(n, groups, 4, 16)), -1)
+            codes = codes | (high.reshape(codes.shape).to(torch.int16) << 4)
+        elif self.qh is not None:  # bit j of qh: element j's fifth bit
             bits = (self.qh.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
             codes = codes | (bits.to(torch.int16) << 4)
         return codes
 
+    def dequantized(self) -> torch.Tensor:
+        """The weights in float32, [N, K], as the `gguf` package (and llama.cpp)
+        dequantize them: (q - offset) * d + m, each product exact, one rounding."""
+        if self.format == PER_CHANNEL:
+            return self.qs.float() * self.d.unsqueeze(1)
+        codes = self.codes()
+        if self.format == "q4_k":  # d * sc * q - dmin * m, scale and minimum in float32
+            per_block = SUPER_BLOCK // BLOCK
+            scale = self.d.float().repeat_interleave(per_block, 1) * self.sc[..., 0]
+            low = self.m.float().repeat_interleave(per_block, 1) * self.sc[..., 1]
+            w = scale.unsqueeze(-1) * codes - low.unsqueeze(-1)
+        elif self.format == "q6_k":  # d * sc * (q - 32), a scale per 16
+            per_block = SUPER_BLOCK // BLOCK
+            scale = self.d.float().repeat_interleave(per_block, 1).unsqueeze(-1) * self.sc
+            w = scale.unsqueeze(-1) * (codes - 32).view(*codes.shape[:2], 2, 16)
+        else:
+            w = (codes - OFFSETS[self.format]).float() * self.d.float().unsqueeze(-1)
+            if self.m is not None:
+                w = w + self.m.float().unsqueeze(-1)
+        return w.reshape(self.shape)
+
     def widened(self) -> QuantizedWeight:
-        """The same weights in q8_0 (exact: a 4- or 5-bit code is an 8-bit one)."""
+        """The same weights in q8_0: exact for a 4- or 5-bit code (an 8-bit one); q4_k's
+        per-32 scale and minimum are rounded once to fp16; q6_k (a scale per 16) is
+        requantized, within half an 8-bit step."""
         if self.format == "q8_0":
             return self
         if self.format == PER_CHANNEL:
             raise ValueError("w8a8 (per-channel) weights cannot be fused with block formats")
+        if self.format == "q6_k":
+            return _requantized(self.dequantized().numpy())
+        d, m = self.d, self.m
+        if self.format == "q4_k":
+            per_block = SUPER_BLOCK // BLOCK
+            d = (self.d.float().repeat_interleave(per_block, 1) * self.sc[..., 0]).half()
+            m = -(self.m.float().repeat_interleave(per_block, 1) * self.sc[..., 1]).half()
         qs = (self.codes() - OFFSETS[self.format] + OFFSETS["q8_0"]).to(torch.uint8)
-        return QuantizedWeight("q8_0", qs, self.d, self.m)
+        return QuantizedWeight("q8_0", qs, d, m)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -132,8 +193,9 @@ class QuantizedWeight:
         if any(p.m is not None for p in parts):
             m = torch.cat([p.m if p.m is not None else torch.zeros_like(p.d) for p in parts])
         qh = torch.cat([p.qh for p in parts]) if parts[0].qh is not None else None
+        sc = torch.cat([p.sc for p in parts]) if parts[0].sc is not None else None
         qs, d = torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts])
-        return QuantizedWeight(parts[0].format, qs, d, m, qh)
+        return QuantizedWeight(parts[0].format, qs, d, m, qh, sc)
 
 
 def quantize_per_channel(w: torch.Tensor) -> QuantizedWeight:
@@ -148,14 +210,84 @@ def from_gguf(type_name: str, data: np.ndarray) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (uint8 [rows, blocks * block bytes]) as pagoda's blocks."""
     if type_name in _GGUF_LAYOUT:
         return _repack(type_name, data)
+    if type_name == "Q4_K":
+        return _repack_q4_k(data)
+    if type_name == "Q6_K":
+        return _repack_q6_k(data)
     if type_name in _GGUF_RECODED:
         return _recode(type_name, data)
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
     ggml_type = GGMLQuantizationType[type_name]
-    w = dequantize(np.ascontiguousarray(data), ggml_type).astype(np.float32, copy=False)
-    return _repack("Q8_0", quantize(w, GGMLQuantizationType.Q8_0))
+    return _requantized(dequantize(np.ascontiguousarray(data), ggml_type))
+
+
+def _requantized(w: np.ndarray) -> QuantizedWeight:
+    """Float weights [N, K] in q8_0, by the `gguf` package's own quantizer."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return _repack("Q8_0", quantize(w.astype(np.float32, copy=False), GGMLQuantizationType.Q8_0))
+
+
+def _super_blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
+    rows = data.shape[0]
+    return np.ascontiguousarray(data).reshape(rows, -1, block_bytes)  # [rows, K/256, bytes]
+
+
+def _nibbles(codes: np.ndarray) -> torch.Tensor:
+    """4-bit codes [rows, K] (low four bits used) as qs: per block of 32, element j in
+    byte j's low nibble and j + 16 in its high one."""
+    blocks = codes.reshape(codes.shape[0], -1, BLOCK) & 0x0F
+    return torch.from_numpy(blocks[:, :, :16] | (blocks[:, :, 16:] << 4))
+
+
+def _repack_q4_k(data: np.ndarray) -> QuantizedWeight:
+    """GGUF's Q4_K super-block (d, dmin, 12 bytes of 6-bit scales and minimums, then
+    128 bytes: weights 64 i + l and 64 i + 32 + l in byte 32 i + l's nibbles)."""
+    from gguf.quants import Q4_K
+
+    raw = _super_blocks(data, 144)
+    rows, count = raw.shape[:2]
+    halves = raw[:, :, :4].copy().view(np.float16)  # [rows, K/256, 2]
+    sc, mn = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))  # [rows * K/256, 8] each
+    packed = raw[:, :, 16:].reshape(rows, count, 4, 1, 32)
+    codes = (packed >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F
+    scales = np.stack((sc, mn), -1).reshape(rows, count * 8, 2).astype(np.uint8)
+    return QuantizedWeight(
+        "q4_k",
+        _nibbles(codes.reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(halves[:, :, 0])),
+        torch.from_numpy(np.ascontiguousarray(halves[:, :, 1])),
+        sc=torch.from_numpy(scales),
+    )
+
+
+def _repack_q6_k(data: np.ndarray) -> QuantizedWeight:
+    """GGUF's Q6_K super-block (128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+    scales, d), as the gguf package reads it: per half of 128 weights, element l + 32 f
+    takes nibble f // 2 of ql byte l + 32 (f % 2) and bit pair f of qh byte l."""
+    raw = _super_blocks(data, 210)
+    rows, count = raw.shape[:2]
+    ql = raw[:, :, :128].reshape(rows, count, 2, 1, 64)
+    low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [.., 2, 2, 64]
+    qh = raw[:, :, 128:192].reshape(rows, count, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [.., 2, 4, 32]
+    codes = (low.reshape(rows, count, 2, 4, 32) | (high << 4)).reshape(rows, -1)
+    # The high bits in the kernel's order: per 4 blocks, the low nibbles' positions
+    # (block b, element j < 16: 16 b + j) then the high nibbles' (element j + 16).
+    fields = (codes >> 4).reshape(rows, -1, 4, 2, 16).transpose(0, 1, 3, 2, 4)
+    fields = fields.reshape(rows, -1, 4, 32)  # [rows, K/128, (low 0-31, 32-63, high ...)]
+    qh_packed = fields[:, :, 0] | fields[:, :, 1] << 2 | fields[:, :, 2] << 4 | fields[:, :, 3] << 6
+    scales = raw[:, :, 192:208].copy().view(np.int8).reshape(rows, count * 8, 2)
+    return QuantizedWeight(
+        "q6_k",
+        _nibbles(codes),
+        torch.from_numpy(raw[:, :, 208:210].copy().view(np.float16)[:, :, 0]),
+        qh=torch.from_numpy(np.ascontiguousarray(qh_packed)),
+        sc=torch.from_numpy(scales),
+    )
 
 
 def _repack(type_name: str, data: np.ndarray) -> QuantizedWeight:

@@ -31,6 +31,7 @@ _SOURCES = [
         "small_gemm.cpp",
         "fused_ops.cpp",
         "quant_gemm.cpp",
+        "kquant_gemm.cpp",
         "w8a8_gemm.cpp",
         "decode_loop.cpp",
         "lora.cpp",
@@ -203,7 +204,9 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
             module.int8_dequantize(weight.qs, weight.d, out)
             return out
         code = weight.format_code
-        return module.dequantize(weight.qs, weight.d, weight.m, code, out_dtype, qh=weight.qh)
+        return module.dequantize(
+            weight.qs, weight.d, weight.m, code, out_dtype, qh=weight.qh, sc=weight.sc
+        )
 
     on_blocks = int8_activations and module.quant_linear_available()
     int8_small = int8_activations and module.int8_linear_small_available()
@@ -228,7 +231,14 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
         if on_blocks and weight.format != PER_CHANNEL and x.shape[0] <= blocks_max_rows:
             code = weight.format_code
             return module.quant_linear(
-                x.contiguous(), weight.qs, weight.d, weight.m, code, bias, qh=weight.qh
+                x.contiguous(),
+                weight.qs,
+                weight.d,
+                weight.m,
+                code,
+                bias,
+                qh=weight.qh,
+                sc=weight.sc,
             )
         numel = weight.shape[0] * weight.shape[1]
         buffer = scratch.get(x.dtype)
@@ -239,7 +249,14 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
             module.int8_dequantize(weight.qs, weight.d, dense)
         else:
             dense = module.dequantize(
-                weight.qs, weight.d, weight.m, weight.format_code, x.dtype, buffer, weight.qh
+                weight.qs,
+                weight.d,
+                weight.m,
+                weight.format_code,
+                x.dtype,
+                buffer,
+                weight.qh,
+                weight.sc,
             )
         return linear(x, dense, bias)
 
@@ -269,7 +286,7 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
             return None
         blocks = spec(
             kind=kinds.BLOCKS, w=qweight.qs, d=qweight.d, m=qweight.m, qh=qweight.qh,
-            format=qweight.format_code, bias=bias, small_rows=blocks_max_rows,
+            sc=qweight.sc, format=qweight.format_code, bias=bias, small_rows=blocks_max_rows,
         )  # fmt: skip
         return blocks, DECODE_LOOP_MAX_ROWS
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from pagoda.attention.kv_cache import dequantize_kv, gather
 from pagoda.attention.paged import AttentionParams, attend
-from pagoda.model_executor.quantization import OFFSETS, PER_CHANNEL, QuantizedWeight
+from pagoda.model_executor.quantization import QuantizedWeight
 
 linear = F.linear  # (x [T, in], weight [out, in], bias [out] | None) -> [T, out]
 
@@ -95,13 +95,7 @@ def decode_attention(
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """A quantized [N, K] weight as a float matrix in `dtype`."""
-    if weight.format == PER_CHANNEL:
-        return (weight.qs.float() * weight.d.unsqueeze(1)).to(dtype)
-    d = weight.d.float().unsqueeze(-1)  # [N, nb, 1]
-    w = (weight.codes() - OFFSETS[weight.format]).float() * d  # exact: a small integer x fp16
-    if weight.m is not None:
-        w = w + weight.m.float().unsqueeze(-1)
-    return w.reshape(weight.shape).to(dtype)
+    return weight.dequantized().to(dtype)
 
 
 def quant_linear(

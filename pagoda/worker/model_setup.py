@@ -16,7 +16,6 @@ from pagoda.model_executor.huge_pages import move_to_huge_pages
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.mla import MLAttention
 from pagoda.model_executor.models import BASE_MODEL, BIDIRECTIONAL, CLASSIFIER, model_class, needs
-from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.ops import TORCH_OPS
 
 logger = logging.getLogger(__name__)
@@ -102,11 +101,7 @@ def classifier_head(mc: ModelConfig, model: torch.nn.Module, score) -> torch.Ten
     lm_head = model.lm_head
     if lm_head.qweight is None:
         return lm_head.weight.detach()[ids].to(dtype).clone()
-    q = lm_head.qweight
-    rows = QuantizedWeight(
-        q.format, *(None if t is None else t[ids] for t in (q.qs, q.d, q.m, q.qh))
-    )
-    return TORCH_OPS.dequantize(rows, dtype)
+    return TORCH_OPS.dequantize(lm_head.qweight.rows(ids), dtype)
 
 
 def kv_cache_shape(model: torch.nn.Module) -> KVShape:

@@ -1,6 +1,6 @@
 """The C++ decode loop (csrc/decode_loop.cpp) against the Python model it stands in for:
 the same tokens and bitwise the same logprobs, for each kind of linear it runs (dense
-float32 and bf16, q4_1 and q8_0 blocks, w8a8, q/k/v bias), at one to 64 rows (on the
+float32 and bf16, q4_1, q8_0, q4_k and q6_k blocks, w8a8, q/k/v bias), at one to 64 rows (on the
 small-batch kernels and past them, where bf16 rows are padded and quantized weights
 dequantized as pagoda.ops.cpu does), and with speculative drafts (decode rows at
 successive positions)."""
@@ -45,6 +45,28 @@ def test_decode_loop_equals_eager(tiny_models, arch, kwargs, batch):
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # bitwise: the same kernels, in the same order
+
+
+def test_decode_loop_runs_k_quants_as_eager(gguf_path, tmp_path):
+    """A GGUF file with Q4_K and Q6_K weights (and embedding), kept in their
+    super-blocks, at 1, 12 and 37 rows: each engine built once for the three."""
+    from tests.model.test_quantization import K_NATIVE_TYPES, write_tiny_gguf
+
+    path = str(tmp_path / "k.gguf")
+    write_tiny_gguf(path, gguf_path, K_NATIVE_TYPES)
+    engines = [LLM(path, kv_cache_memory_bytes=1 << 23, enforce_eager=e) for e in (False, True)]
+    assert engines[0].llm_engine.model_runner.decode_loop_max_rows == cpu.DECODE_LOOP_MAX_ROWS
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+    for batch in (1, 12, 37):
+        prompts = tiny_prompts(engines[0].get_tokenizer(), batch, seed=batch)
+        got, want = (
+            [o.outputs[0] for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            for llm in engines
+        )  # fmt: skip
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == b.logprobs
 
 
 def test_the_loop_pads_rows_as_python_does():

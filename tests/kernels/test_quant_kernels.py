@@ -1,9 +1,11 @@
 """The quantized-weight kernels against their references, in float64.
 
-- Repacking: GGUF blocks made by the `gguf` package's own quantizer come back, through
-  the PyTorch twin's dequantize, exactly as the package dequantizes them; every other
-  GGUF type (5-bit, K-quants, i-quants) within its stated rounding; fused parts of
-  different formats stack exactly.
+- Repacking: GGUF blocks made by the `gguf` package's own quantizer (random raw
+  super-blocks for Q4_K and Q6_K, which it cannot make) come back, through the PyTorch
+  twin's dequantize, exactly as the package dequantizes them; every other GGUF type
+  (Q5_K, Q2_K, Q3_K, i-quants) within its stated rounding; fused parts of different
+  formats stack exactly (within fp16's rounding of q4_k's scales, half a q8_0 step for
+  q6_k's).
 - dequantize (C++) equals the PyTorch twin bit for bit, in float32 and bf16.
 - quant_linear (int8 activations, AVX512-VNNI) equals the same arithmetic done in
   float64: activations quantized per block of 32 exactly as llama.cpp's q8_1, then the
@@ -21,19 +23,44 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from pagoda.model_executor.quantization import FORMATS, OFFSETS, QuantizedWeight, from_gguf
+from pagoda.model_executor.quantization import (
+    FORMATS,
+    K_QUANTS,
+    OFFSETS,
+    QuantizedWeight,
+    from_gguf,
+)
 from pagoda.ops import TORCH_OPS, cpu
 from tests.helpers import random_blocks
 
 GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
         "q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0,
-        "q5_1": GGMLQuantizationType.Q5_1,
+        "q5_1": GGMLQuantizationType.Q5_1, "q4_k": GGMLQuantizationType.Q4_K,
+        "q6_k": GGMLQuantizationType.Q6_K,
         "q8_0+m": GGMLQuantizationType.Q5_1}  # q8_0 codes with minimums (Q5_1 widened)  # fmt: skip
 KERNEL_CASES = (*FORMATS, "q8_0+m")
 
 
+def columns(fmt: str, blocks: int) -> int:
+    """K for a weight of about `blocks` blocks of 32: whole super-blocks for K-quants."""
+    return 256 * -(-blocks // 8) if fmt in K_QUANTS else 32 * blocks
+
+
 def make_weight(fmt: str, n: int, k: int, seed: int, adversarial: bool = False):
-    """(QuantizedWeight, float64 dense values) from gguf's own quantizer."""
+    """(QuantizedWeight, float64 dense values) from gguf's own quantizer, or for the
+    K-quants from random raw super-blocks (the package cannot quantize to them)."""
+    if fmt in K_QUANTS:
+        raw = random_blocks(GGUF[fmt].name, n, k, seed=seed)  # (row 0 starts with zeros)
+        if adversarial:  # row 1: the largest scales, and a super-block's d at fp16's top
+            raw = raw.reshape(n, -1, 144 if fmt == "q4_k" else 210)
+            if fmt == "q4_k":
+                raw[1, 0, 4:16] = 0xFF  # every 6-bit scale and minimum 63
+            else:
+                raw[1, 0, 192:208] = np.array([127, 128] * 8, dtype=np.uint8)  # 127, -128
+                raw[1, 0, 208:210] = np.array([60000.0], dtype=np.float16).view(np.uint8)
+            raw = raw.reshape(n, -1)
+        qw = from_gguf(GGUF[fmt].name, raw)
+        return qw, gguf_dequantize(raw, GGUF[fmt]).astype(np.float64)
     g = np.random.default_rng(seed)
     w = g.standard_normal((n, k)).astype(np.float32) * 0.05
     if adversarial:
@@ -57,25 +84,29 @@ def kernels_or_skip():
 
 @pytest.mark.parametrize("fmt", KERNEL_CASES)
 def test_repacked_blocks_dequantize_as_gguf_does(fmt):
-    qw, dense = make_weight(fmt, 7, 96, seed=1, adversarial=True)
-    assert qw.shape == (7, 96) and qw.format == fmt.removesuffix("+m")
-    assert (qw.m is not None) == (fmt in ("q4_1", "q5_1", "q8_0+m"))
-    assert (qw.qh is not None) == fmt.startswith("q5")
-    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0+m": 36}[fmt]
-    assert qw.nbytes == size * 7 * 3
+    k = columns(fmt, 3)
+    qw, dense = make_weight(fmt, 7, k, seed=1, adversarial=True)
+    assert qw.shape == (7, k) and qw.format == fmt.removesuffix("+m")
+    assert (qw.m is not None) == (fmt in ("q4_1", "q5_1", "q8_0+m", "q4_k"))
+    assert (qw.qh is not None) == (fmt.startswith("q5") or fmt == "q6_k")
+    assert (qw.sc is not None) == (fmt in K_QUANTS)
+    # Bytes per 32 weights: as in the file, but q4_k's 6-bit scales and minimums unpacked.
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0+m": 36,
+            "q4_k": 18.5, "q6_k": 26.25}[fmt]  # fmt: skip
+    assert qw.nbytes == size * 7 * k // 32
     got = TORCH_OPS.dequantize(qw, torch.float32).double().numpy()
     np.testing.assert_array_equal(got, dense)
 
 
 @pytest.mark.parametrize(
     "type_name,fmt",
-    [("Q5_0", "q5_0"), ("Q5_1", "q5_1"), ("Q4_K", "q4_1"), ("Q5_K", "q5_1"),
-     ("Q6_K", "q8_0"), ("Q3_K", "q8_0"), ("Q2_K", "q8_0"), ("IQ4_XS", "q8_0")],
+    [("Q5_0", "q5_0"), ("Q5_1", "q5_1"), ("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q5_K", "q5_1"),
+     ("Q3_K", "q8_0"), ("Q2_K", "q8_0"), ("IQ4_XS", "q8_0")],
 )  # fmt: skip
 def test_every_gguf_type_loads_into_blocks(type_name, fmt):
-    """5-bit and K-quant codes are kept exactly (K-quants' per-32 scale and minimum are
-    rounded once to fp16); other types are requantized to q8_0, within about half its
-    step."""
+    """5-bit codes, Q4_K and Q6_K are kept exactly; Q5_K's codes too (its per-32 scale
+    and minimum rounded once to fp16); other types are requantized to q8_0, within
+    about half its step."""
     raw = random_blocks(type_name, 6, 512, seed=8)
     ref = gguf_dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
     qw = from_gguf(type_name, raw)
@@ -84,9 +115,9 @@ def test_every_gguf_type_loads_into_blocks(type_name, fmt):
     err = np.abs(got - ref).reshape(6, 16, 32)
     d = qw.d.double().numpy()[:, :, None]
     m = qw.m.double().numpy()[:, :, None] if qw.m is not None else 0.0
-    if type_name in ("Q5_0", "Q5_1"):
+    if type_name in ("Q5_0", "Q5_1", "Q4_K", "Q6_K"):
         np.testing.assert_array_equal(got, ref)
-    elif type_name in ("Q4_K", "Q5_K"):  # d * code and m, each within fp16's rounding
+    elif type_name == "Q5_K":  # d * code and m, each within fp16's rounding
         bound = 2.0**-11 * (np.abs(ref.reshape(err.shape)) + 2 * np.abs(m)) * 1.01 + 1e-12
         assert (err <= bound).all()
         assert err.max() > 0  # the rounding is real: this checks the bound, not zeros
@@ -97,22 +128,42 @@ def test_every_gguf_type_loads_into_blocks(type_name, fmt):
 
 
 def test_fused_parts_of_different_formats_stack_exactly():
-    parts = [make_weight(fmt, 5 + i, 64, seed=20 + i) for i, fmt in enumerate(KERNEL_CASES)]
+    cases = [fmt for fmt in KERNEL_CASES if fmt not in K_QUANTS]
+    parts = [make_weight(fmt, 5 + i, 256, seed=20 + i) for i, fmt in enumerate(cases)]
     fused = QuantizedWeight.cat([qw for qw, _ in parts])
-    rows = sum(5 + i for i in range(len(KERNEL_CASES)))
+    rows = sum(5 + i for i in range(len(cases)))
     assert fused.format == "q8_0" and fused.m is not None and fused.qh is None
-    assert fused.shape == (rows, 64)
+    assert fused.shape == (rows, 256)
     got = TORCH_OPS.dequantize(fused, torch.float32).double().numpy()
     np.testing.assert_array_equal(got, np.concatenate([dense for _, dense in parts]))
+
+
+def test_fused_k_quants_stack_as_their_format_or_widened():
+    """A Q4_K file's q and k fuse as q4_k, exactly; with its Q6_K v all go to q8_0:
+    q4_k's per-32 scale and minimum rounded once to fp16, q6_k requantized."""
+    (q, dq), (k, dk), (v, dv) = (make_weight(f, 6, 512, seed=30 + i) for i, f in
+                                 enumerate(("q4_k", "q4_k", "q6_k")))  # fmt: skip
+    same = QuantizedWeight.cat([q, k])
+    assert same.format == "q4_k" and same.shape == (12, 512)
+    np.testing.assert_array_equal(same.dequantized().double().numpy(), np.concatenate([dq, dk]))
+    mixed = QuantizedWeight.cat([q, v])
+    assert mixed.format == "q8_0" and mixed.shape == (12, 512)
+    got = mixed.dequantized().double().numpy()
+    low = q.m.double().repeat_interleave(8, 1) * q.sc[..., 1].double()
+    bound = 2.0**-11 * (np.abs(dq).reshape(6, 16, 32) + 2 * np.abs(low.numpy())[..., None]) * 1.01
+    assert (np.abs(got[:6] - dq).reshape(6, 16, 32) <= bound + 1e-12).all()
+    assert np.abs(got[:6] - dq).max() > 0  # the rounding is real
+    step = mixed.d[6:].double().numpy()[:, :, None]  # q8_0's scale per block
+    assert (np.abs(got[6:] - dv).reshape(6, 16, 32) <= (0.5 + 127 * 2.0**-11) * step + 1e-9).all()
 
 
 @pytest.mark.parametrize("fmt", KERNEL_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_dequantize_equals_the_twin(fmt, dtype):
     module = kernels_or_skip()
-    qw, _ = make_weight(fmt, 37, 32 * 19, seed=2, adversarial=True)
+    qw, _ = make_weight(fmt, 37, columns(fmt, 19), seed=2, adversarial=True)
     want = TORCH_OPS.dequantize(qw, dtype)
-    got = module.dequantize(qw.qs, qw.d, qw.m, qw.format_code, dtype, qh=qw.qh)
+    got = module.dequantize(qw.qs, qw.d, qw.m, qw.format_code, dtype, qh=qw.qh, sc=qw.sc)
     assert got.dtype == dtype and torch.equal(got, want)
 
 
@@ -127,8 +178,12 @@ def quantize_activations(x: torch.Tensor):
 
 
 def reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's arithmetic in float64: sum_b d_w d_a sum(q_w q_a) + (m_w - off d_w) s_a."""
+    """The kernel's arithmetic in float64: sum_b d_w d_a sum(q_w q_a) + (m_w - off d_w) s_a
+    (K-quants: the quantized activations times the weights, as the twin dequantizes them)."""
     qa, da = quantize_activations(x)  # [M, nb, 32], [M, nb]
+    if qw.format in K_QUANTS:
+        y = (qa * da.unsqueeze(-1)).reshape(x.shape) @ qw.dequantized().double().T
+        return y if bias is None else y + bias.double()
     qwv = qw.codes()  # [N, nb, 32] (checked against gguf's dequantization above)
     dw = qw.d.double()
     mw = qw.m.double() if qw.m is not None else torch.zeros_like(dw)
@@ -147,15 +202,17 @@ def test_quant_linear_equals_float64(fmt, dtype, rows):
     if not module.quant_linear_available():
         pytest.skip("no AVX512-VNNI")
     for n, nb, seed in ((37, 18, 3), (64, 48, 4), (5, 1, 5), (11, 7, 6)):
-        qw, dense = make_weight(fmt, n, 32 * nb, seed=seed, adversarial=n > 3)
+        k = columns(fmt, nb)
+        nb = k // 32
+        qw, dense = make_weight(fmt, n, k, seed=seed, adversarial=n > 3)
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(rows, 32 * nb, generator=g).to(dtype)
+        x = torch.randn(rows, k, generator=g).to(dtype)
         x[0, :32] = 0.0  # a block of zero activations
         if rows > 1:
             x[1, 32 : min(64, 32 * nb)] *= 1000.0  # a loud block
         bias = torch.randn(n, generator=g).to(dtype)
         for b in (None, bias):
-            got = module.quant_linear(x, qw.qs, qw.d, qw.m, qw.format_code, b, qh=qw.qh)
+            got = module.quant_linear(x, qw.qs, qw.d, qw.m, qw.format_code, b, qh=qw.qh, sc=qw.sc)
             assert got.shape == (rows, n) and got.dtype == dtype
             want = reference(x, qw, b)
             scale = want.abs().max().item() + 1.0
@@ -177,16 +234,18 @@ def test_quant_linear_rows_are_independent(fmt):
     module = kernels_or_skip()
     if not module.quant_linear_available():
         pytest.skip("no AVX512-VNNI")
-    qw, _ = make_weight(fmt, 40, 32 * 9, seed=8, adversarial=True)
-    x = torch.randn(16, 32 * 9, generator=torch.Generator().manual_seed(8)).bfloat16()
-    one_by_one = torch.cat(
-        [
-            module.quant_linear(x[i : i + 1], qw.qs, qw.d, qw.m, qw.format_code, None, qh=qw.qh)
-            for i in range(16)
-        ]
-    )
+    k = columns(fmt, 9)
+    qw, _ = make_weight(fmt, 40, k, seed=8, adversarial=True)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(8)).bfloat16()
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return module.quant_linear(
+            rows, qw.qs, qw.d, qw.m, qw.format_code, None, qh=qw.qh, sc=qw.sc
+        )
+
+    one_by_one = torch.cat([run(x[i : i + 1]) for i in range(16)])
     for rows in (2, 5, 8, 13, 16):
-        got = module.quant_linear(x[:rows], qw.qs, qw.d, qw.m, qw.format_code, None, qh=qw.qh)
+        got = run(x[:rows])
         assert torch.equal(got, one_by_one[:rows])
 
 
@@ -196,10 +255,11 @@ def test_ops_quant_linear_both_regimes(fmt):
     PyTorch twin always dequantizes. All within quantization error of float64."""
     if cpu.load() is None:
         pytest.skip("no C++ toolchain")
-    qw, dense = make_weight(fmt, 96, 32 * 6, seed=7)
+    k = columns(fmt, 6)
+    qw, dense = make_weight(fmt, 96, k, seed=7)
     for ops in (cpu.cpu_ops(torch.bfloat16), cpu.cpu_ops(torch.bfloat16, False), TORCH_OPS):
         for rows in (1, 8, 9, 40):
-            x = torch.randn(rows, 32 * 6).bfloat16()
+            x = torch.randn(rows, k).bfloat16()
             got = ops.quant_linear(x, qw, None).double()
             exact = x.double() @ torch.from_numpy(dense).T
             assert got.shape == (rows, 96)

@@ -217,10 +217,15 @@ print(p.memory_info().rss - before)
 # ---- every GGUF type, end to end -----------------------------------------------------------
 
 # A tiny Llama written as GGUF with the shipped file's tokenizer and metadata, each
-# linear in another block type: the exact repacks (fused q/k/v across three formats)
-# and the K-quants and i-quants (scales rounded to fp16, or requantized to q8_0).
+# linear in another block type: the exact repacks (fused q/k/v across three formats),
+# Q4_K and Q6_K kept in their super-blocks (a Q4_K_M file's mix, with a Q6_K embedding),
+# and the K-quants and i-quants that are not (scales rounded to fp16, or requantized
+# to q8_0).
 EXACT_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
                "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q5_1"}  # fmt: skip
+K_NATIVE_TYPES = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K",
+                  "attn_output": "Q6_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
+                  "ffn_down": "Q6_K"}  # fmt: skip
 K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q3_K",
            "ffn_gate": "Q4_K", "ffn_up": "Q2_K", "ffn_down": "IQ4_XS"}  # fmt: skip
 TINY = {"block_count": 2, "embedding_length": 256, "feed_forward_length": 512,
@@ -253,8 +258,9 @@ def write_tiny_gguf(path: str, source: str, types: dict[str, str], seed: int = 0
     shapes = {"attn_q": (256, hidden), "attn_k": (128, hidden), "attn_v": (128, hidden),
               "attn_output": (hidden, 256), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
               "ffn_down": (hidden, ffn)}  # fmt: skip
-    writer.add_tensor("token_embd.weight", blocks_with_std("Q8_0", vocab, hidden, seed, 0.02),
-                      raw_dtype=GGMLQuantizationType.Q8_0)  # fmt: skip
+    embd = types.get("token_embd", "Q8_0")
+    writer.add_tensor("token_embd.weight", blocks_with_std(embd, vocab, hidden, seed, 0.02),
+                      raw_dtype=GGMLQuantizationType[embd])  # fmt: skip
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for layer in range(TINY["block_count"]):
         for norm in ("attn_norm", "ffn_norm"):
@@ -270,7 +276,9 @@ def write_tiny_gguf(path: str, source: str, types: dict[str, str], seed: int = 0
     writer.close()
 
 
-@pytest.mark.parametrize("types", [EXACT_TYPES, K_TYPES], ids=["exact", "k_and_i_quants"])
+@pytest.mark.parametrize(
+    "types", [EXACT_TYPES, K_NATIVE_TYPES, K_TYPES], ids=["exact", "q4_k_q6_k", "other_k_and_i"]
+)
 def test_every_gguf_type_end_to_end(gguf_path, tmp_path, types):
     """Loaded as blocks (never as floats), float32 activations on them against
     transformers loading the same file: token for token where the blocks are kept
@@ -286,11 +294,16 @@ def test_every_gguf_type_end_to_end(gguf_path, tmp_path, types):
         assert held["model.layers.0.self_attn.qkv_proj"] == "q8_0"  # three formats, widened
         assert held["model.layers.0.self_attn.o_proj"] == "q4_0"
         assert held["model.layers.0.mlp.down_proj"] == "q5_1"  # 5-bit blocks as they are
+    if types is K_NATIVE_TYPES:
+        assert held["model.embed_tokens"] == held["lm_head"] == "q6_k"
+        assert held["model.layers.0.self_attn.qkv_proj"] == "q4_k"
+        assert held["model.layers.0.mlp.gate_up_proj"] == "q4_k"
+        assert held["model.layers.1.mlp.down_proj"] == "q6_k"
     prompts = tiny_prompts(llm.get_tokenizer(), n=6, seed=3)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     hf = load_hf(path, torch.float32)
-    if types is EXACT_TYPES:
+    if types is not K_TYPES:
         assert_greedy_equals_hf(hf, prompts, outs)
     else:
         agree, total = agreement_with_hf_steps(hf, outs)

@@ -39,9 +39,7 @@ class Shard:
             return w.narrow(self.dim, start, size).clone()
         if self.dim == 1:
             return w.columns(start, start + size)
-        part = w.rows(slice(start, start + size))
-        clone = [None if t is None else t.clone() for t in (part.qs, part.d, part.m, part.qh)]
-        return QuantizedWeight(part.format, *clone)
+        return w.rows(slice(start, start + size)).map(torch.Tensor.clone)
 
 
 class Linear(nn.Linear):

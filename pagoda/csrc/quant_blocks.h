@@ -1,0 +1,128 @@
+// What the linear layers on quantized blocks share (quant_gemm.cpp, kquant_gemm.cpp):
+// the formats' codes, and the activations quantized per block of 32 to int8 in the
+// layout the dot products read. Layouts: pagoda/model_executor/quantization.py.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace pagoda_quant {
+
+constexpr int64_t kBlock = 32;
+// The index in pagoda.model_executor.quantization.FORMATS.
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ6_K = 6 };
+
+inline bool is_k_quant(int64_t format) { return format == kQ4_K || format == kQ6_K; }
+// Bytes of qs a block of 32 takes.
+inline int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 32 : 16; }
+
+// ---- the K-quants (kquant_gemm.cpp) ------------------------------------------------------
+
+struct KWeight {  // a q4_k or q6_k weight's parts, checked
+  int64_t format, N, nb;  // nb: blocks of 32 along K (a multiple of 8)
+  const uint8_t* qs;
+  const at::Half* d;   // [N, nb / 8]
+  const at::Half* m;   // q4_k: [N, nb / 8] (dmin), else null
+  const uint8_t* qh;   // q6_k: [N, nb / 4, 32], else null
+  const uint8_t* sc;   // [N, nb, 2] (uint8 for q4_k, int8 for q6_k)
+};
+
+KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+                       const c10::optional<at::Tensor>& qh, const c10::optional<at::Tensor>& sc,
+                       int64_t format);
+template <typename T>
+void dequantize_k_rows(const KWeight& w, T* out, int64_t n0, int64_t n1);
+
+#ifdef PAGODA_HAS_VNNI
+struct Activations {
+  int64_t groups;            // 64-byte loads a row of weights takes
+  std::vector<int8_t> q;     // [M, groups, 64] (q4: [M, groups, 2, 64], low then high halves)
+  std::vector<float> scale;  // [M, groups, 16]: d_a of the block each lane belongs to
+  std::vector<float> sum;    // [M, groups * blocks per load]: s_a, zero past the last block
+  // q6_k: [M, groups, 2, 16], -32 times the sum of each lane's four codes, so that a
+  // dot product started from it sums (q - 32) a for q6_k's unsigned codes q.
+  std::vector<int32_t> offset;
+};
+
+// One row's blocks: codes in the layout the dot products read, the lane scales, s_a.
+// Vectorized where AVX512 is: the same float operations as the scalar form (max of
+// |x|, d = amax / 127, x * (1 / d) rounded to nearest even), so the same codes.
+template <typename Tin>
+inline void quantize_row_blocks(const Tin* x, int64_t nb, int64_t per_load, bool q4, Activations& a,
+                         int64_t i) {
+  const int64_t lanes = 16 / per_load;  // int32 lanes per block
+  const int64_t halves = q4 ? 2 : 1;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t g = b / per_load, slot = b % per_load;
+    int8_t* dst = a.q.data() + ((i * a.groups + g) * halves) * 64;
+    float d;
+    int32_t total;
+#if defined(__AVX512F__)
+    using pagoda_simd::load16;
+    const __m512 lo = load16(x + b * kBlock, 0xFFFF), hi = load16(x + b * kBlock + 16, 0xFFFF);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    d = amax / 127.f;
+    const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));  // ties to even
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+    total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    // q4: byte j of a block pairs with element j (low nibble) and j + 16 (high).
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? slot * 16 : slot * 32)), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? 64 + slot * 16 : slot * 32 + 16)), _mm512_cvtepi32_epi8(qhi));
+#else
+    float v[kBlock];
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      v[j] = static_cast<float>(x[b * kBlock + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    total = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(v[j] * id));  // ties to even
+      total += q;
+      const int64_t at = q4 ? (j / 16) * 64 + slot * 16 + j % 16 : slot * 32 + j;
+      dst[at] = static_cast<int8_t>(q);
+    }
+#endif
+    for (int64_t l = 0; l < lanes; ++l) a.scale[(i * a.groups + g) * 16 + slot * lanes + l] = d;
+    a.sum[i * a.groups * per_load + b] = d * static_cast<float>(total);
+  }
+}
+
+template <typename Tin>
+inline Activations quantize_activations(const Tin* x, int64_t M, int64_t K, int64_t format) {
+  const int64_t nb = K / kBlock;
+  const int64_t per_load = 64 / block_bytes(format);  // blocks per 64-byte weight load
+  const bool q4 = format != kQ8_0;
+  Activations a;
+  a.groups = (nb + per_load - 1) / per_load;
+  a.q.assign(M * a.groups * (q4 ? 2 : 1) * 64, 0);
+  a.scale.assign(M * a.groups * 16, 0.f);
+  a.sum.assign(M * a.groups * per_load, 0.f);
+  for (int64_t i = 0; i < M; ++i) quantize_row_blocks(x + i * K, nb, per_load, q4, a, i);
+  if (format == kQ6_K) {
+    a.offset.resize(a.q.size() / 4);
+    for (size_t j = 0; j < a.offset.size(); j += 16) {  // (vpdpbusd: unsigned x signed)
+      const __m512i codes = _mm512_loadu_si512(a.q.data() + 4 * j);
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(32), codes);
+      _mm512_storeu_si512(a.offset.data() + j, _mm512_sub_epi32(_mm512_setzero_si512(), sums));
+    }
+  }
+  return a;
+}
+
+
+// Rows [n0, n1) of y = x w^T (y [M, N]) on a K-quant weight.
+template <typename Tout>
+void k_dot_all(const Activations& a, const KWeight& w, const float* bias, Tout* y, int64_t M,
+               int64_t n0, int64_t n1);
+#endif
+
+}  // namespace pagoda_quant
