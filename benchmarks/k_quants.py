@@ -52,9 +52,7 @@ def load(path: str) -> dict[str, list[QuantizedWeight]]:
 
 def products(module, weights, x: dict[int, torch.Tensor]) -> None:
     for w in weights:
-        module.quant_linear(
-            x[w.shape[1]], w.qs, w.d, w.m, w.format_code, None, qh=w.qh, sc=w.sc
-        )
+        module.quant_linear(x[w.shape[1]], w.qs, w.d, w.m, w.format_code, None, qh=w.qh, sc=w.sc)
 
 
 def dequantize(module, weights, _x) -> None:
