@@ -7,14 +7,17 @@
 //   q4_k  weight = d sc q - dmin mn (per block of 32: sc, mn 6-bit integers)
 //         sum_k w_k x_k = d sc d_a sum_k q_k a_k - dmin mn s_a   (as q4_1)
 //   q6_k  weight = d sc (q - 32) (sc int8 per 16 weights)
-//         each lane's dot product starts from -32 times its four activation codes
-//         (Activations::offset), so it sums (q - 32) a; the low nibbles (elements
-//         0-15 of each block) and the high ones (16-31) take their own scales.
+//         sum_k w_k x_k = d sc d_a sum_k q_k a_k - 32 d sc s16_a  (per half block: the
+//         low nibbles, elements 0-15 of each block, and the high ones take their own
+//         scales; s16_a: Activations::sum16)
 //
 // The lane scales d sc and the products d sc q are exact in float32 (d has 11
 // significant bits, sc at most 8, q at most 6), so dequantize rounds as the PyTorch
 // twin does, once.
 #include <ATen/Parallel.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "quant_blocks.h"
 
@@ -52,15 +55,25 @@ KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::opt
 
 namespace {
 
+// fp16 to float in one instruction (F16C) where there is one: c10::Half's own
+// conversion is a dozen integer operations, once per block here.
+inline float to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
 // Block b of row n: its scale and shift per half (elements 0-15, 16-31), as floats.
 struct BlockScales {
   float scale[2], shift[2];
 };
 inline BlockScales block_scales(const KWeight& w, int64_t n, int64_t b) {
-  const float d = static_cast<float>(w.d[n * (w.nb / 8) + b / 8]);
+  const float d = to_float(w.d[n * (w.nb / 8) + b / 8]);
   const uint8_t* s = w.sc + (n * w.nb + b) * 2;
   if (w.format == kQ4_K) {
-    const float scale = d * s[0], shift = -(static_cast<float>(w.m[n * (w.nb / 8) + b / 8]) * s[1]);
+    const float scale = d * s[0], shift = -(to_float(w.m[n * (w.nb / 8) + b / 8]) * s[1]);
     return {{scale, scale}, {shift, shift}};
   }
   const int8_t* signed_s = reinterpret_cast<const int8_t*>(s);
@@ -145,7 +158,7 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
       const __m512i codes = _mm512_loadu_si512(wrow + g * 64);
       __m512i lo = _mm512_and_si512(codes, low), hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low);
       const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(srow + g * 8));
-      const __m512 d = _mm512_set1_ps(static_cast<float>(w.d[n * supers + g / 2]));
+      const __m512 d = _mm512_set1_ps(to_float(w.d[n * supers + g / 2]));
       __m512 dlo, dhi;
       if constexpr (kQ6) {
         const __m512i h = _mm512_broadcast_i64x4(
@@ -165,11 +178,10 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
         const int8_t* act = a.q.data() + (i * groups + g) * 128;
         const __m512 as = _mm512_loadu_ps(a.scale.data() + (i * groups + g) * 16);
         if constexpr (kQ6) {
-          const int32_t* off = a.offset.data() + (i * groups + g) * 32;
-          const __m512i slo = _mm512_dpbusd_epi32(_mm512_loadu_si512(off), lo, _mm512_loadu_si512(act));
-          const __m512i shi = _mm512_dpbusd_epi32(_mm512_loadu_si512(off + 16), hi, _mm512_loadu_si512(act + 64));
-          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(slo), _mm512_mul_ps(dlo, as), acc[t]);
-          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shi), _mm512_mul_ps(dhi, as), acc[t]);
+          const __m512i slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(act));
+          const __m512i shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(act + 64));
+          const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shi), dhi, _mm512_mul_ps(_mm512_cvtepi32_ps(slo), dlo));
+          acc[t] = _mm512_fmadd_ps(both, as, acc[t]);
         } else {
           __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(act));
           sum = _mm512_dpbusd_epi32(sum, hi, _mm512_loadu_si512(act + 64));
@@ -177,10 +189,19 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
         }
       }
     }
-    // q4_k's per-block constant, -dmin mn s_a, 16 blocks (two super-blocks) at a time.
+    // The constant terms: q6_k's -32 d sc s16_a, a super-block (16 half blocks) at a
+    // time; q4_k's -dmin mn s_a, 16 blocks (two super-blocks) at a time.
     __m512 extra[MT];
     for (int64_t t = 0; t < MT; ++t) extra[t] = _mm512_setzero_ps();
-    if constexpr (!kQ6) {
+    if constexpr (kQ6) {
+      for (int64_t s = 0; s < supers; ++s) {
+        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + s * 16));
+        const __m512 c = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s16)),
+                                       _mm512_set1_ps(-32.f * to_float(w.d[n * supers + s])));
+        for (int64_t t = 0; t < MT; ++t)
+          extra[t] = _mm512_fmadd_ps(c, _mm512_loadu_ps(a.sum16.data() + ((mi + t) * nb + s * 8) * 2), extra[t]);
+      }
+    } else {
       const __m512i which = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
       for (int64_t b = 0; b < nb; b += 16) {
         const bool whole = nb - b >= 16;

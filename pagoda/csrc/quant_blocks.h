@@ -44,9 +44,9 @@ struct Activations {
   std::vector<int8_t> q;     // [M, groups, 64] (q4: [M, groups, 2, 64], low then high halves)
   std::vector<float> scale;  // [M, groups, 16]: d_a of the block each lane belongs to
   std::vector<float> sum;    // [M, groups * blocks per load]: s_a, zero past the last block
-  // q6_k: [M, groups, 2, 16], -32 times the sum of each lane's four codes, so that a
-  // dot product started from it sums (q - 32) a for q6_k's unsigned codes q.
-  std::vector<int32_t> offset;
+  // q6_k: [M, blocks, 2], d_a times the sum of each half block's codes (its 16 weights
+  // share a scale), for the products' -32 d sc offset.
+  std::vector<float> sum16;
 };
 
 // One row's blocks: codes in the layout the dot products read, the lane scales, s_a.
@@ -108,12 +108,16 @@ inline Activations quantize_activations(const Tin* x, int64_t M, int64_t K, int6
   a.sum.assign(M * a.groups * per_load, 0.f);
   for (int64_t i = 0; i < M; ++i) quantize_row_blocks(x + i * K, nb, per_load, q4, a, i);
   if (format == kQ6_K) {
-    a.offset.resize(a.q.size() / 4);
-    for (size_t j = 0; j < a.offset.size(); j += 16) {  // (vpdpbusd: unsigned x signed)
-      const __m512i codes = _mm512_loadu_si512(a.q.data() + 4 * j);
-      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(32), codes);
-      _mm512_storeu_si512(a.offset.data() + j, _mm512_sub_epi32(_mm512_setzero_si512(), sums));
-    }
+    a.sum16.assign(M * nb * 2, 0.f);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t half = 0; half < 2; ++half) {
+          const int64_t g = b / per_load, slot = b % per_load;
+          const int8_t* codes = a.q.data() + ((i * a.groups + g) * 2 + half) * 64 + slot * 16;
+          int32_t total = 0;
+          for (int64_t j = 0; j < 16; ++j) total += codes[j];
+          a.sum16[(i * nb + b) * 2 + half] = a.scale[(i * a.groups + g) * 16 + slot * 4] * total;
+        }
   }
   return a;
 }
