@@ -55,7 +55,7 @@ namespace {
 // The contract with Python, defined here once and registered with the module
 // (bind_decode_loop): pagoda.ops.cpu builds each linear's LinearSpec with these kinds,
 // and decode_loop.py names each layer's activation with Activation.
-enum LinearKind : int64_t { kDense = 0, kBlocks = 1, kPerChannel = 2 };
+enum LinearKind : int64_t { kDense = 0, kBlocks = 1, kPerChannel = 2, kStacked = 3 };
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 // A linear's LoRA slots (pagoda/lora/manager.py's LinearLoRA), added as Linear.forward adds
@@ -103,6 +103,7 @@ struct Linear {
   int64_t format;
   int64_t small_rows;  // quantized: the most rows its small-batch kernel takes
   c10::optional<LoRASlots> lora;
+  std::vector<Linear> parts;  // kStacked: the pieces, their outputs side by side
 
   // As pagoda.ops.cpu dispatches: dense as `dense` above (dense_small_rows: the loop's,
   // for bf16); quantized, up to small_rows quant_linear on the blocks or
@@ -113,7 +114,11 @@ struct Linear {
                         at::Tensor& scratch, int64_t dense_small_rows) const {
     const int64_t n = x.size(0);
     at::Tensor y;
-    if (kind == kDense) {
+    if (kind == kStacked) {
+      std::vector<at::Tensor> ys;
+      for (const Linear& part : parts) ys.push_back(part(x, c10::nullopt, scratch, dense_small_rows));
+      y = at::cat(ys, 1);
+    } else if (kind == kDense) {
       y = dense(x, w, bias, dense_small_rows);
     } else if (n <= small_rows) {
       y = kind == kBlocks ? quant_linear(x.contiguous(), w, *d, m, format, bias, qh, sc)
@@ -186,7 +191,8 @@ class DecodeLoop {
       : eps_(eps), final_norm_(final_norm), dense_small_rows_(dense_small_rows) {}
 
   int64_t add_linear(const Linear& spec) {
-    TORCH_CHECK(spec.kind == kDense || spec.d.has_value(), "a quantized linear needs its scales");
+    TORCH_CHECK(spec.kind == kDense || spec.kind == kStacked || spec.d.has_value(),
+                "a quantized linear needs its scales");
     linears_.push_back(spec);
     return static_cast<int64_t>(linears_.size()) - 1;
   }
@@ -377,7 +383,8 @@ void bind_decode_loop(py::module_& m) {
   py::enum_<LinearKind>(m, "LinearKind")
       .value("DENSE", kDense)          // small_gemm or oneDNN (bf16), F.linear (float32)
       .value("BLOCKS", kBlocks)        // quant_linear on GGUF blocks, or dequantized
-      .value("PER_CHANNEL", kPerChannel);  // int8_linear_small or _large (w8a8)
+      .value("PER_CHANNEL", kPerChannel)  // int8_linear_small or _large (w8a8)
+      .value("STACKED", kStacked);        // pieces of other kinds, outputs side by side
   m.def("bucket_rows", &bucket_rows, "pagoda.ops.cpu.bucket_rows, as the loop pads rows");
   py::enum_<Activation>(m, "Activation").value("SILU", kSilu).value("GELU_TANH", kGeluTanh);
   py::class_<Linear>(m, "LinearSpec")
@@ -391,6 +398,15 @@ void bind_decode_loop(py::module_& m) {
            py::arg("m") = py::none(), py::arg("qh") = py::none(), py::arg("sc") = py::none(),
            py::arg("format") = 0,
            py::arg("bias") = py::none(), py::arg("small_rows") = 0)
+      .def_static(
+          "stacked",
+          [](std::vector<Linear> parts) {
+            TORCH_CHECK(!parts.empty(), "a stacked linear needs its parts");
+            Linear stacked{kStacked, parts[0].w};  // (w unused: each part has its own)
+            stacked.parts = std::move(parts);
+            return stacked;
+          },
+          py::arg("parts"))
       .def_readonly("kind", &Linear::kind)
       .def_readonly("w", &Linear::w)
       .def_readonly("format", &Linear::format);

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pagoda.model_executor.quantization import QuantizedWeight
+from pagoda.model_executor.quantization import QuantizedWeight, StackedWeight
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor's start in an arena: a cache line
@@ -122,6 +122,8 @@ def _tensor_refs(model: torch.nn.Module) -> Iterator[tuple[torch.Tensor, Callabl
 def _refs_in(value, put: Callable) -> Iterator[tuple[torch.Tensor, Callable]]:
     if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
         yield value, put
+    elif isinstance(value, StackedWeight):
+        yield from _refs_in(value.pieces, put)
     elif isinstance(value, QuantizedWeight):
         for field in QuantizedWeight.TENSOR_FIELDS:
             if getattr(value, field) is not None:

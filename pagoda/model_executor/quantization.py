@@ -166,28 +166,23 @@ class QuantizedWeight:
         return w.reshape(self.shape)
 
     def widened(self) -> QuantizedWeight:
-        """The same weights in q8_0: exact for a 4- or 5-bit code (an 8-bit one); q4_k's
-        per-32 scale and minimum are rounded once to fp16; q6_k (a scale per 16) is
-        requantized, within half an 8-bit step."""
+        """The same weights in q8_0 (exact: a 4- or 5-bit code is an 8-bit one)."""
         if self.format == "q8_0":
             return self
-        if self.format == PER_CHANNEL:
-            raise ValueError("w8a8 (per-channel) weights cannot be fused with block formats")
-        if self.format == "q6_k":
-            return _requantized(self.dequantized().numpy())
-        d, m = self.d, self.m
-        if self.format == "q4_k":
-            per_block = SUPER_BLOCK // BLOCK
-            d = (self.d.float().repeat_interleave(per_block, 1) * self.sc[..., 0]).half()
-            m = -(self.m.float().repeat_interleave(per_block, 1) * self.sc[..., 1]).half()
+        if self.format == PER_CHANNEL or self.format in K_QUANTS:
+            raise ValueError(f"{self.format} weights are not widened to q8_0")
         qs = (self.codes() - OFFSETS[self.format] + OFFSETS["q8_0"]).to(torch.uint8)
-        return QuantizedWeight("q8_0", qs, d, m)
+        return QuantizedWeight("q8_0", qs, self.d, self.m)
 
     @staticmethod
-    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Stack weights along N (fused q/k/v, gate/up); parts of different formats
-        (a Q4_K file's q with its Q6_K v) are all widened to q8_0 first."""
-        if len({p.format for p in parts}) > 1:
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
+        """Stack weights along N (fused q/k/v, gate/up). Parts of different formats stay
+        apart in a StackedWeight where one is a K-quant (a Q4_K_M file's Q4_K q and k
+        with its Q6_K v); others are all widened to q8_0 first, exactly."""
+        formats = {p.format for p in parts}
+        if len(formats) > 1 and formats & set(K_QUANTS):
+            return StackedWeight(list(parts))
+        if len(formats) > 1:
             parts = [p.widened() for p in parts]
         m = None
         if any(p.m is not None for p in parts):
@@ -196,6 +191,45 @@ class QuantizedWeight:
         sc = torch.cat([p.sc for p in parts]) if parts[0].sc is not None else None
         qs, d = torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts])
         return QuantizedWeight(parts[0].format, qs, d, m, qh, sc)
+
+
+@dataclass
+class StackedWeight:
+    """A fused weight (q/k/v, gate/up) whose parts differ in format, each kept in its
+    own: a product runs per part and lays the outputs side by side, as one product on
+    the stacked matrix would. (Widening them to one format would cost a Q4_K_M file's
+    q/k/v 8.5 bits a weight where they have 4.6 and 6.6.)"""
+
+    pieces: list[QuantizedWeight]
+
+    @property
+    def format(self) -> str:
+        return "+".join(p.format for p in self.pieces)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.pieces), self.pieces[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    def parts(self) -> tuple[torch.Tensor | None, ...]:
+        return tuple(t for p in self.pieces for t in p.parts())
+
+    def map(self, fn) -> StackedWeight:
+        return StackedWeight([p.map(fn) for p in self.pieces])
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.pieces])
+
+    def split(self, bias: torch.Tensor | None):
+        """(piece, its slice of `bias` or None) for each piece, in order."""
+        start = 0
+        for p in self.pieces:
+            end = start + p.shape[0]
+            yield p, None if bias is None else bias[start:end]
+            start = end
 
 
 def quantize_per_channel(w: torch.Tensor) -> QuantizedWeight:

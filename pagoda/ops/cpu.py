@@ -17,7 +17,7 @@ import time
 import torch
 
 from pagoda.attention.paged import batch_invariant_attention
-from pagoda.model_executor.quantization import PER_CHANNEL, QuantizedWeight
+from pagoda.model_executor.quantization import PER_CHANNEL, QuantizedWeight, StackedWeight
 from pagoda.ops import torch_ops
 from pagoda.ops.base import Ops
 
@@ -199,6 +199,8 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
             return torch_ops.linear(pad_rows(x), weight, bias)[:num_rows]
 
     def dequantize(weight: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(weight, StackedWeight):
+            return torch.cat([dequantize(piece, out_dtype) for piece in weight.pieces])
         if weight.format == PER_CHANNEL:
             out = torch.empty(weight.shape, dtype=out_dtype)
             module.int8_dequantize(weight.qs, weight.d, out)
@@ -220,6 +222,8 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
     blocks_max_rows = QUANT_LINEAR_MAX_ROWS if not batch_invariant else 1 << 62
 
     def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        if isinstance(weight, StackedWeight):  # each piece on its own kernel
+            return torch.cat([quant_linear(x, p, b) for p, b in weight.split(bias)], -1)
         if weight.format == PER_CHANNEL and int8_activations:
             x = x.contiguous()
             if int8_small and x.shape[0] <= INT8_SMALL_MAX_ROWS:
@@ -229,17 +233,8 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
                 y = module.int8_linear_large(pad_rows(x), weight.qs, weight.d, bias)
                 return y[: x.shape[0]]
         if on_blocks and weight.format != PER_CHANNEL and x.shape[0] <= blocks_max_rows:
-            code = weight.format_code
-            return module.quant_linear(
-                x.contiguous(),
-                weight.qs,
-                weight.d,
-                weight.m,
-                code,
-                bias,
-                qh=weight.qh,
-                sc=weight.sc,
-            )
+            blocks = (weight.qs, weight.d, weight.m, weight.format_code)
+            return module.quant_linear(x.contiguous(), *blocks, bias, qh=weight.qh, sc=weight.sc)
         numel = weight.shape[0] * weight.shape[1]
         buffer = scratch.get(x.dtype)
         if buffer is None or buffer.numel() < numel:
@@ -248,16 +243,8 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
             dense = buffer[:numel].view(weight.shape)
             module.int8_dequantize(weight.qs, weight.d, dense)
         else:
-            dense = module.dequantize(
-                weight.qs,
-                weight.d,
-                weight.m,
-                weight.format_code,
-                x.dtype,
-                buffer,
-                weight.qh,
-                weight.sc,
-            )
+            blocks = (weight.qs, weight.d, weight.m, weight.format_code)
+            dense = module.dequantize(*blocks, x.dtype, buffer, weight.qh, weight.sc)
         return linear(x, dense, bias)
 
     # The most rows `linear` gives small_gemm (bf16), for the decode loop's dense products.
@@ -275,6 +262,12 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
                 return None  # (the loop's float32 product is F.linear's)
             dense = spec(kind=kinds.DENSE, w=weight, bias=bias)  # (the loop's dense_small_rows)
             return dense, DECODE_LOOP_MAX_ROWS
+        if isinstance(qweight, StackedWeight):
+            pieces = [decode_loop_linear(None, p, b) for p, b in qweight.split(bias)]
+            if None in pieces:
+                return None
+            stacked = spec.stacked([piece for piece, _ in pieces])
+            return stacked, min(rows for _, rows in pieces)
         if qweight.format == PER_CHANNEL:
             if not int8_small:
                 return None

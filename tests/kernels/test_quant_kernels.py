@@ -4,8 +4,7 @@
   super-blocks for Q4_K and Q6_K, which it cannot make) come back, through the PyTorch
   twin's dequantize, exactly as the package dequantizes them; every other GGUF type
   (Q5_K, Q2_K, Q3_K, i-quants) within its stated rounding; fused parts of different
-  formats stack exactly (within fp16's rounding of q4_k's scales, half a q8_0 step for
-  q6_k's).
+  formats stack exactly (K-quants apart, each in its own format).
 - dequantize (C++) equals the PyTorch twin bit for bit, in float32 and bf16.
 - quant_linear (int8 activations, AVX512-VNNI) equals the same arithmetic done in
   float64: activations quantized per block of 32 exactly as llama.cpp's q8_1, then the
@@ -138,23 +137,36 @@ def test_fused_parts_of_different_formats_stack_exactly():
     np.testing.assert_array_equal(got, np.concatenate([dense for _, dense in parts]))
 
 
-def test_fused_k_quants_stack_as_their_format_or_widened():
-    """A Q4_K file's q and k fuse as q4_k, exactly; with its Q6_K v all go to q8_0:
-    q4_k's per-32 scale and minimum rounded once to fp16, q6_k requantized."""
+def test_fused_k_quants_stack_as_their_format_or_apart():
+    """A Q4_K_M file's q and k fuse as q4_k, exactly; with its Q6_K v they stay apart,
+    each in its format (a StackedWeight), and the products run per piece: the CPU
+    kernels give each piece's output as alone, and the PyTorch twin the stacked
+    matrix's product."""
     (q, dq), (k, dk), (v, dv) = (make_weight(f, 6, 512, seed=30 + i) for i, f in
                                  enumerate(("q4_k", "q4_k", "q6_k")))  # fmt: skip
     same = QuantizedWeight.cat([q, k])
     assert same.format == "q4_k" and same.shape == (12, 512)
     np.testing.assert_array_equal(same.dequantized().double().numpy(), np.concatenate([dq, dk]))
-    mixed = QuantizedWeight.cat([q, v])
-    assert mixed.format == "q8_0" and mixed.shape == (12, 512)
-    got = mixed.dequantized().double().numpy()
-    low = q.m.double().repeat_interleave(8, 1) * q.sc[..., 1].double()
-    bound = 2.0**-11 * (np.abs(dq).reshape(6, 16, 32) + 2 * np.abs(low.numpy())[..., None]) * 1.01
-    assert (np.abs(got[:6] - dq).reshape(6, 16, 32) <= bound + 1e-12).all()
-    assert np.abs(got[:6] - dq).max() > 0  # the rounding is real
-    step = mixed.d[6:].double().numpy()[:, :, None]  # q8_0's scale per block
-    assert (np.abs(got[6:] - dv).reshape(6, 16, 32) <= (0.5 + 127 * 2.0**-11) * step + 1e-9).all()
+    stack = QuantizedWeight.cat([q, k, v])
+    assert stack.format == "q4_k+q4_k+q6_k" and stack.shape == (18, 512)
+    assert stack.nbytes == q.nbytes + k.nbytes + v.nbytes
+    np.testing.assert_array_equal(stack.dequantized().numpy(), np.concatenate([dq, dk, dv]))
+    x, bias = torch.randn(3, 512), torch.randn(18)
+    want = x.double() @ torch.from_numpy(np.concatenate([dq, dk, dv])).T + bias.double()
+    got = TORCH_OPS.quant_linear(x, stack, bias).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    if cpu.load() is not None:
+        ops = cpu.cpu_ops(torch.float32)
+        for rows in (3, 40):  # the blocks' kernels, and dequantized for a GEMM
+            xr = torch.randn(rows, 512)
+            alone = [
+                ops.quant_linear(xr, p, bias[6 * i : 6 * i + 6]) for i, p in enumerate((q, k, v))
+            ]
+            stacked = ops.quant_linear(xr, stack, bias)
+            assert torch.equal(stacked, torch.cat(alone, -1))
+            exact = xr.double() @ torch.from_numpy(np.concatenate([dq, dk, dv])).T + bias.double()
+            assert (stacked.double() - exact).norm() / exact.norm() < 0.02  # int8 activations
+        assert torch.equal(ops.dequantize(stack, torch.float32), stack.dequantized())
 
 
 @pytest.mark.parametrize("fmt", KERNEL_CASES)

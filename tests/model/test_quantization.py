@@ -223,7 +223,7 @@ print(p.memory_info().rss - before)
 # to q8_0).
 EXACT_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
                "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q5_1"}  # fmt: skip
-K_NATIVE_TYPES = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K",
+K_NATIVE_TYPES = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
                   "attn_output": "Q6_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
                   "ffn_down": "Q6_K"}  # fmt: skip
 K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q3_K",
@@ -296,7 +296,7 @@ def test_every_gguf_type_end_to_end(gguf_path, tmp_path, types):
         assert held["model.layers.0.mlp.down_proj"] == "q5_1"  # 5-bit blocks as they are
     if types is K_NATIVE_TYPES:
         assert held["model.embed_tokens"] == held["lm_head"] == "q6_k"
-        assert held["model.layers.0.self_attn.qkv_proj"] == "q4_k"
+        assert held["model.layers.0.self_attn.qkv_proj"] == "q4_k+q4_k+q6_k"  # apart
         assert held["model.layers.0.mlp.gate_up_proj"] == "q4_k"
         assert held["model.layers.1.mlp.down_proj"] == "q6_k"
     prompts = tiny_prompts(llm.get_tokenizer(), n=6, seed=3)
