@@ -1,5 +1,6 @@
 """GGUF's K-quants kept in their super-blocks against the 32-weight blocks pagoda
-recoded them into before (Q4_K as q4_1, Q6_K requantized to q8_0): bytes, and the time
+recoded them into before (Q4_K and Q5_K as q4_1 and q5_1, Q6_K requantized to q8_0:
+`QuantizedWeight.in_blocks_of_32`): bytes, and the time
 of every K-quant weight of a real file as one decode step's products (`quant_linear`
 at 1, 4 and 16 rows) and as prefill's (`dequantize` to bf16).
 
@@ -26,22 +27,14 @@ from pagoda.model_executor.quantization import QuantizedWeight, from_gguf
 from pagoda.ops import cpu
 
 
-def as_q4_1(w: QuantizedWeight) -> QuantizedWeight:
-    """q4_k's codes in q4_1 blocks, each 32's scale and minimum rounded to fp16: the
-    recoding pagoda loaded Q4_K files with before."""
-    d = w.d.float().repeat_interleave(8, 1) * w.sc[..., 0]
-    m = -(w.m.float().repeat_interleave(8, 1) * w.sc[..., 1])
-    return QuantizedWeight("q4_1", w.qs, d.half(), m.half())
-
-
 def load(path: str) -> dict[str, list[QuantizedWeight]]:
     from gguf import GGUFReader
 
     kept = []
     for tensor in GGUFReader(path).tensors:
-        if tensor.tensor_type.name in ("Q4_K", "Q6_K") and len(tensor.shape) == 2:
+        if tensor.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K") and len(tensor.shape) == 2:
             kept.append(from_gguf(tensor.tensor_type.name, tensor.data))
-    before = [as_q4_1(w) if w.format == "q4_k" else w.widened() for w in kept]
+    before = [w.in_blocks_of_32() for w in kept]
     sets = {"k_quants": kept, "recoded": before}
     for weights in sets.values():  # on huge pages, as the engine holds them
         holder = torch.nn.Module()

@@ -24,7 +24,7 @@ from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.fused_moe import FusedMoE
 from pagoda.model_executor.layers.linear import Embedding
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
-from pagoda.model_executor.quantization import PER_CHANNEL
+from pagoda.model_executor.quantization import PER_CHANNEL, StackedWeight
 from pagoda.ops.cpu import QUANT_LINEAR_MAX_ROWS, W8A8_INT_MAX_ROWS
 
 FLOAT_PATHS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
@@ -161,7 +161,10 @@ def largest_qweight(model: nn.Module, cost: ModelCost):
         if module is lm_head or not isinstance(module, nn.Linear):
             continue
         if (module.out_features, module.in_features) == cost.largest_linear:
-            return getattr(module, "qweight", None)
+            qweight = getattr(module, "qweight", None)
+            if isinstance(qweight, StackedWeight):  # (parts of two formats: the largest)
+                return max(qweight.pieces, key=lambda piece: piece.shape[0])
+            return qweight
     return None
 
 

@@ -1,18 +1,19 @@
-// Linear layers on GGUF's K-quants kept in their super-blocks of 256 weights, q4_k and
-// q6_k (layouts: pagoda/model_executor/quantization.py), as quant_gemm.cpp runs the
+// Linear layers on GGUF's K-quants kept in their super-blocks of 256 weights, q4_k, q5_k
+// and q6_k (layouts: pagoda/model_executor/quantization.py), as quant_gemm.cpp runs the
 // 32-weight formats: the activations quantized per block of 32 to int8, then per
 // 64-byte load of codes (4 blocks, 128 weights: low nibbles, then high ones) two
 // AVX512-VNNI dot products against the activations' matching halves.
 //
 //   q4_k  weight = d sc q - dmin mn (per block of 32: sc, mn 6-bit integers)
 //         sum_k w_k x_k = d sc d_a sum_k q_k a_k - dmin mn s_a   (as q4_1)
+//   q5_k  the same, each code's fifth bit ORed in as for q5_1
 //   q6_k  weight = d sc (q - 32) (sc int8 per 16 weights)
 //         sum_k w_k x_k = d sc d_a sum_k q_k a_k - 32 d sc s16_a  (per half block: the
 //         low nibbles, elements 0-15 of each block, and the high ones take their own
 //         scales; s16_a: Activations::sum16)
 //
 // The lane scales d sc and the products d sc q are exact in float32 (d has 11
-// significant bits, sc at most 8, q at most 6), so dequantize rounds as the PyTorch
+// significant bits, sc at most 8, q at most 6; q5_k's d sc q: 11 + 6 + 5), so dequantize rounds as the PyTorch
 // twin does, once.
 #include <ATen/Parallel.h>
 #if defined(__F16C__)
@@ -26,7 +27,7 @@ namespace pagoda_quant {
 KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
                        const c10::optional<at::Tensor>& qh, const c10::optional<at::Tensor>& sc,
                        int64_t format) {
-  const bool q4 = format == kQ4_K;
+  const bool q4 = format != kQ6_K, q5 = format == kQ5_K;  // q4: scales and minimums
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(2) == 16,
               "qs must be a contiguous uint8 [N, K/32, 16] tensor");
   const int64_t N = qs.size(0), nb = qs.size(1);
@@ -37,20 +38,24 @@ KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::opt
                 name, " must be a contiguous float16 [N, K/256] tensor");
   };
   halves(d, "d");
-  TORCH_CHECK(m.has_value() == q4, "m (dmin) is given exactly for q4_k");
+  TORCH_CHECK(m.has_value() == q4, "m (dmin) is given exactly for q4_k and q5_k");
   if (q4) halves(*m, "m");
-  TORCH_CHECK(qh.has_value() != q4, "qh is given exactly for q6_k");
+  TORCH_CHECK(qh.has_value() == (q5 || !q4), "qh is given exactly for q5_k and q6_k");
   if (!q4)
     TORCH_CHECK(qh->scalar_type() == at::kByte && qh->is_contiguous() && qh->dim() == 3 &&
                     qh->size(0) == N && qh->size(1) == nb / 4 && qh->size(2) == 32,
                 "qh must be a contiguous uint8 [N, K/128, 32] tensor");
+  if (q5)
+    TORCH_CHECK(qh->scalar_type() == at::kInt && qh->is_contiguous() && qh->dim() == 2 &&
+                    qh->size(0) == N && qh->size(1) == nb,
+                "qh must be a contiguous int32 [N, K/32] tensor");
   TORCH_CHECK(sc.has_value(), "a K-quant weight needs its scales sc");
   TORCH_CHECK(sc->scalar_type() == (q4 ? at::kByte : at::kChar) && sc->is_contiguous() &&
                   sc->dim() == 3 && sc->size(0) == N && sc->size(1) == nb && sc->size(2) == 2,
               "sc must be a contiguous ", q4 ? "uint8" : "int8", " [N, K/32, 2] tensor");
   return KWeight{format, N, nb, qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(),
                  q4 ? m->data_ptr<at::Half>() : nullptr, q4 ? nullptr : qh->data_ptr<uint8_t>(),
-                 static_cast<const uint8_t*>(sc->data_ptr())};
+                 q5 ? qh->data_ptr<int32_t>() : nullptr, static_cast<const uint8_t*>(sc->data_ptr())};
 }
 
 namespace {
@@ -72,7 +77,7 @@ struct BlockScales {
 inline BlockScales block_scales(const KWeight& w, int64_t n, int64_t b) {
   const float d = to_float(w.d[n * (w.nb / 8) + b / 8]);
   const uint8_t* s = w.sc + (n * w.nb + b) * 2;
-  if (w.format == kQ4_K) {
+  if (w.format != kQ6_K) {
     const float scale = d * s[0], shift = -(to_float(w.m[n * (w.nb / 8) + b / 8]) * s[1]);
     return {{scale, scale}, {shift, shift}};
   }
@@ -98,6 +103,7 @@ void dequantize_k_rows(const KWeight& w, T* out, int64_t n0, int64_t n1) {
       const BlockScales s = block_scales(w, n, b);
       int shift = 0;
       const uint8_t* high = q6 ? q6_high(w, n, b, &shift) : nullptr;
+      const uint32_t fifth = w.fifth != nullptr ? static_cast<uint32_t>(w.fifth[n * w.nb + b]) : 0u;
       T* o = out + (n * w.nb + b) * kBlock;
 #if defined(__AVX512F__)
       using pagoda_simd::store16;
@@ -109,6 +115,13 @@ void dequantize_k_rows(const KWeight& w, T* out, int64_t n0, int64_t n1) {
         lo = _mm512_add_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(shift)), three), 4)), minus32);
         hi = _mm512_add_epi32(_mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(shift + 4)), three), 4)), minus32);
       }
+      if (fifth != 0u) {  // q5_k: bit j is element j's fifth bit
+        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i h = _mm512_set1_epi32(static_cast<int32_t>(fifth)), one = _mm512_set1_epi32(1);
+        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota), one), 4));
+        const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
+        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota16), one), 4));
+      }
       store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s.scale[0]), _mm512_set1_ps(s.shift[0])), 0xFFFF);
       store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(s.scale[1]), _mm512_set1_ps(s.shift[1])), 0xFFFF);
 #else
@@ -118,6 +131,8 @@ void dequantize_k_rows(const KWeight& w, T* out, int64_t n0, int64_t n1) {
           lo = (lo | (((high[j] >> shift) & 3) << 4)) - 32;
           hi = (hi | (((high[j] >> (shift + 4)) & 3) << 4)) - 32;
         }
+        lo |= ((fifth >> j) & 1) << 4;
+        hi |= ((fifth >> (j + 16)) & 1) << 4;
         o[j] = static_cast<T>(std::fma(static_cast<float>(lo), s.scale[0], s.shift[0]));
         o[j + 16] = static_cast<T>(std::fma(static_cast<float>(hi), s.scale[1], s.shift[1]));
       }
@@ -139,7 +154,7 @@ inline __m512i halves16(int16_t first, int16_t second) {
 template <int64_t Format, int64_t MT, typename Tout>
 void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout* y, int64_t mi,
                 int64_t n0, int64_t n1) {
-  constexpr bool kQ6 = Format == kQ6_K;
+  constexpr bool kQ6 = Format == kQ6_K, kQ5 = Format == kQ5_K;
   const int64_t groups = a.groups, nb = w.nb, supers = nb / 8;
   const __m512i low = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
   // q6_k: a group's 32 bytes of high bits, twice; the pairs for the low nibbles' 64
@@ -169,6 +184,16 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
         dlo = _mm512_mul_ps(_mm512_permutexvar_ps(even, s), d);
         dhi = _mm512_mul_ps(_mm512_permutexvar_ps(odd, s), d);
       } else {
+        if constexpr (kQ5) {  // byte 16 b + j: block b's element j (lo) and j + 16 (hi)
+          uint64_t lo_bits = 0, hi_bits = 0;
+          for (int64_t b = 0; b < 4; ++b) {
+            const uint32_t h = static_cast<uint32_t>(w.fifth[n * nb + g * 4 + b]);
+            lo_bits |= static_cast<uint64_t>(h & 0xFFFFu) << (16 * b);
+            hi_bits |= static_cast<uint64_t>(h >> 16) << (16 * b);
+          }
+          lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(lo_bits, _mm512_set1_epi8(0x10)));
+          hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(hi_bits, _mm512_set1_epi8(0x10)));
+        }
         dlo = _mm512_mul_ps(_mm512_permutexvar_ps(even, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8))), d);
         dhi = dlo;
       }
@@ -244,6 +269,8 @@ void k_dot_all(const Activations& a, const KWeight& w, const float* bias, Tout* 
                int64_t n0, int64_t n1) {
   if (w.format == kQ4_K)
     k_dot_format<kQ4_K>(a, w, bias, y, M, n0, n1);
+  else if (w.format == kQ5_K)
+    k_dot_format<kQ5_K>(a, w, bias, y, M, n0, n1);
   else
     k_dot_format<kQ6_K>(a, w, bias, y, M, n0, n1);
 }

@@ -15,21 +15,24 @@ namespace pagoda_quant {
 
 constexpr int64_t kBlock = 32;
 // The index in pagoda.model_executor.quantization.FORMATS.
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ6_K = 6 };
+enum Format : int64_t {
+  kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ6_K = 6, kQ5_K = 7
+};
 
-inline bool is_k_quant(int64_t format) { return format == kQ4_K || format == kQ6_K; }
+inline bool is_k_quant(int64_t format) { return format >= kQ4_K && format <= kQ5_K; }
 // Bytes of qs a block of 32 takes.
 inline int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 32 : 16; }
 
 // ---- the K-quants (kquant_gemm.cpp) ------------------------------------------------------
 
-struct KWeight {  // a q4_k or q6_k weight's parts, checked
+struct KWeight {  // a q4_k, q5_k or q6_k weight's parts, checked
   int64_t format, N, nb;  // nb: blocks of 32 along K (a multiple of 8)
   const uint8_t* qs;
-  const at::Half* d;   // [N, nb / 8]
-  const at::Half* m;   // q4_k: [N, nb / 8] (dmin), else null
-  const uint8_t* qh;   // q6_k: [N, nb / 4, 32], else null
-  const uint8_t* sc;   // [N, nb, 2] (uint8 for q4_k, int8 for q6_k)
+  const at::Half* d;       // [N, nb / 8]
+  const at::Half* m;       // q4_k, q5_k: [N, nb / 8] (dmin), else null
+  const uint8_t* qh;       // q6_k: [N, nb / 4, 32], else null
+  const int32_t* fifth;    // q5_k: [N, nb], bit j: element j's fifth bit; else null
+  const uint8_t* sc;       // [N, nb, 2] (uint8 for q4_k and q5_k, int8 for q6_k)
 };
 
 KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,

@@ -303,6 +303,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       switch (format) {
         case kQ4_K:
+        case kQ5_K:
         case kQ6_K: return k_dot_all(a, kw, bp, out, M, n0, n1);
         case kQ8_0: return dot_all<kQ8_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
         case kQ4_0: return dot_all<kQ4_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);

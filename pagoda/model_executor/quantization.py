@@ -17,11 +17,13 @@ array per part so that each kernel reads its part contiguously:
 
 The K-quants keep GGUF's super-blocks of 256 weights (one fp16 scale, and integer
 scales for each 32 or 16 weights under it), so they take as many bits as in the file
-(4.625 and 6.5625 a weight) and K must be a multiple of 256:
+(4.625, 5.625 and 6.5625 a weight: the 6-bit scales of q4_k and q5_k unpacked to a
+byte each) and K must be a multiple of 256:
 
     q4_k  qs as 4-bit above; d, m float16 [N, K/256] (the super-block's d and dmin);
           sc uint8 [N, K/32, 2] (each 32's 6-bit scale and minimum)
           weight = d * sc[0] * q - m * sc[1]
+    q5_k  as q4_k, with qh int32 [N, K/32] as q5's: bit j is element j's fifth bit
     q6_k  qs as 4-bit above (the low four bits); qh uint8 [N, K/128, 32] (the high two
           bits of 128 weights: byte i holds, from bit 0, those of elements i and i + 32
           of the low nibbles in the four blocks' qs, then i and i + 32 of the high ones);
@@ -34,10 +36,8 @@ weight = d * q; its kernels quantize the activations per row (not per block of 3
 and multiply integers, which oneDNN's integer GEMM can do for large batches.
 
 Every quantized GGUF type loads into one of them (`from_gguf`): Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K and Q6_K as they are; Q5_K into q5_1 (its integer codes kept, the
-per-32 scales d * sc and minimums dmin * m rounded once to fp16); any other type
-(Q2_K, Q3_K, IQ*) is requantized to q8_0, which adds at most half an 8-bit step to
-each weight. The kernels (pagoda.ops) run linear layers on the blocks directly;
+Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as they are; any other type (Q2_K, Q3_K, IQ*) is
+requantized to q8_0, which adds at most half an 8-bit step to each weight. The kernels (pagoda.ops) run linear layers on the blocks directly;
 nothing is expanded to a float matrix in memory except, transiently, for a
 prefill-sized product.
 
@@ -56,18 +56,25 @@ import torch
 
 BLOCK = 32  # weights per block, every format
 # Block formats; index = the C++ kernels' format code.
-FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "q5_k")
 SUPER_BLOCK = 256  # weights per K-quant super-block
-K_QUANTS = ("q4_k", "q6_k")
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
 PER_CHANNEL = "w8a8"
-OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0, "q4_k": 0, "q6_k": 32}
+OFFSETS = {
+    "q8_0": 128,
+    "q4_0": 8,
+    "q4_1": 0,
+    "q5_0": 16,
+    "q5_1": 0,
+    "q4_k": 0,
+    "q5_k": 0,
+    "q6_k": 32,
+}
 # GGUF's raw block: (format, fp16 fields, bytes of high bits, quant bytes), in that order.
 _GGUF_LAYOUT = {
     "Q8_0": ("q8_0", 1, 0, 32), "Q4_0": ("q4_0", 1, 0, 16), "Q4_1": ("q4_1", 2, 0, 16),
     "Q5_0": ("q5_0", 1, 4, 16), "Q5_1": ("q5_1", 2, 4, 16),
 }  # fmt: skip
-# GGUF types whose integer codes are kept, and the format that holds them.
-_GGUF_RECODED = {"Q5_K": "q5_1"}
 # GGUF tensor types that hold floats or integers, not blocks: never kept quantized.
 GGUF_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 
@@ -110,15 +117,17 @@ class QuantizedWeight:
         return self.map(lambda t: t[index])
 
     def columns(self, start: int, end: int) -> QuantizedWeight:
-        """The weight's columns [start, end) (a row-parallel shard): whole blocks (whole
-        super-blocks for the K-quants) only."""
+        """The weight's columns [start, end) (a row-parallel shard): whole blocks only.
+        A K-quant cut inside its super-blocks (tensor parallel on Llama-2-7B's 11,008
+        or Qwen2.5-7B's 28 heads) comes in blocks of 32 (`in_blocks_of_32`)."""
         if self.format == PER_CHANNEL:  # one scale per row: every column keeps it
             return QuantizedWeight(self.format, self.qs[:, start:end].contiguous(), self.d)
-        unit = SUPER_BLOCK if self.format in K_QUANTS else BLOCK
-        if start % unit or end % unit:
+        if start % BLOCK or end % BLOCK:
             raise ValueError(
-                f"columns {start}:{end} of a {self.format} weight cut its blocks of {unit}."
+                f"columns {start}:{end} of a {self.format} weight cut its blocks of {BLOCK}."
             )
+        if self.format in K_QUANTS and (start % SUPER_BLOCK or end % SUPER_BLOCK):
+            return self.in_blocks_of_32().columns(start, end)
         k = self.shape[1]
 
         def part(t: torch.Tensor) -> torch.Tensor:
@@ -150,7 +159,7 @@ class QuantizedWeight:
         if self.format == PER_CHANNEL:
             return self.qs.float() * self.d.unsqueeze(1)
         codes = self.codes()
-        if self.format == "q4_k":  # d * sc * q - dmin * m, scale and minimum in float32
+        if self.format in ("q4_k", "q5_k"):  # d * sc * q - dmin * m, in float32
             per_block = SUPER_BLOCK // BLOCK
             scale = self.d.float().repeat_interleave(per_block, 1) * self.sc[..., 0]
             low = self.m.float().repeat_interleave(per_block, 1) * self.sc[..., 1]
@@ -174,14 +183,36 @@ class QuantizedWeight:
         qs = (self.codes() - OFFSETS[self.format] + OFFSETS["q8_0"]).to(torch.uint8)
         return QuantizedWeight("q8_0", qs, self.d, self.m)
 
+    def in_blocks_of_32(self) -> QuantizedWeight:
+        """A K-quant in 32-weight blocks (as pagoda loaded them before it kept
+        super-blocks): q4_k and q5_k in q4_1 and q5_1, their codes kept and each 32's
+        scale d * sc and minimum dmin * mn rounded once to fp16 (half a bit a weight
+        more); q6_k, a scale per 16, requantized to q8_0 (two bits more)."""
+        if self.format == "q6_k":
+            return requantized_q8_0(self.dequantized().numpy())
+        if self.format not in K_QUANTS:
+            return self
+        per_block = SUPER_BLOCK // BLOCK
+        d = self.d.float().repeat_interleave(per_block, 1) * self.sc[..., 0]
+        m = -(self.m.float().repeat_interleave(per_block, 1) * self.sc[..., 1])
+        fmt = "q4_1" if self.format == "q4_k" else "q5_1"
+        return QuantizedWeight(fmt, self.qs, d.half(), m.half(), self.qh)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
-        """Stack weights along N (fused q/k/v, gate/up). Parts of different formats stay
-        apart in a StackedWeight where one is a K-quant (a Q4_K_M file's Q4_K q and k
-        with its Q6_K v); others are all widened to q8_0 first, exactly."""
+        """Stack weights along N (fused q/k/v, gate/up). Where a K-quant meets another
+        format (a Q4_K_M file's Q4_K q and k with its Q6_K v), each run of one format is
+        stacked and the runs stay apart in a StackedWeight; other formats are all
+        widened to q8_0 first, exactly."""
         formats = {p.format for p in parts}
         if len(formats) > 1 and formats & set(K_QUANTS):
-            return StackedWeight(list(parts))
+            runs = [[parts[0]]]
+            for p in parts[1:]:
+                if p.format == runs[-1][0].format:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+            return StackedWeight([QuantizedWeight.cat(run) for run in runs])
         if len(formats) > 1:
             parts = [p.widened() for p in parts]
         m = None
@@ -244,20 +275,18 @@ def from_gguf(type_name: str, data: np.ndarray) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (uint8 [rows, blocks * block bytes]) as pagoda's blocks."""
     if type_name in _GGUF_LAYOUT:
         return _repack(type_name, data)
-    if type_name == "Q4_K":
-        return _repack_q4_k(data)
+    if type_name in ("Q4_K", "Q5_K"):
+        return _repack_q4_k(data, fifth_bits=type_name == "Q5_K")
     if type_name == "Q6_K":
         return _repack_q6_k(data)
-    if type_name in _GGUF_RECODED:
-        return _recode(type_name, data)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     ggml_type = GGMLQuantizationType[type_name]
-    return _requantized(dequantize(np.ascontiguousarray(data), ggml_type))
+    return requantized_q8_0(dequantize(np.ascontiguousarray(data), ggml_type))
 
 
-def _requantized(w: np.ndarray) -> QuantizedWeight:
+def requantized_q8_0(w: np.ndarray) -> QuantizedWeight:
     """Float weights [N, K] in q8_0, by the `gguf` package's own quantizer."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
@@ -277,24 +306,32 @@ def _nibbles(codes: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(blocks[:, :, :16] | (blocks[:, :, 16:] << 4))
 
 
-def _repack_q4_k(data: np.ndarray) -> QuantizedWeight:
+def _repack_q4_k(data: np.ndarray, fifth_bits: bool = False) -> QuantizedWeight:
     """GGUF's Q4_K super-block (d, dmin, 12 bytes of 6-bit scales and minimums, then
-    128 bytes: weights 64 i + l and 64 i + 32 + l in byte 32 i + l's nibbles)."""
+    128 bytes: weights 64 i + l and 64 i + 32 + l in byte 32 i + l's nibbles), or
+    Q5_K's (32 bytes before the nibbles: bit i of byte l is weight 32 i + l's fifth)."""
     from gguf.quants import Q4_K
 
-    raw = _super_blocks(data, 144)
+    raw = _super_blocks(data, 176 if fifth_bits else 144)
     rows, count = raw.shape[:2]
     halves = raw[:, :, :4].copy().view(np.float16)  # [rows, K/256, 2]
     sc, mn = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))  # [rows * K/256, 8] each
-    packed = raw[:, :, 16:].reshape(rows, count, 4, 1, 32)
+    packed = raw[:, :, 48 if fifth_bits else 16 :].reshape(rows, count, 4, 1, 32)
     codes = (packed >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F
     scales = np.stack((sc, mn), -1).reshape(rows, count * 8, 2).astype(np.uint8)
+    qh = None
+    if fifth_bits:  # as q5's qh: per block of 32, bit j is element j's fifth bit
+        bits = (raw[:, :, 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [.., l, i]
+        bits = bits.transpose(0, 1, 3, 2).astype(np.uint32)  # [rows, K/256, block, l]
+        qh = (bits << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+        qh = torch.from_numpy(qh.reshape(rows, -1).view(np.int32))
     return QuantizedWeight(
-        "q4_k",
+        "q5_k" if fifth_bits else "q4_k",
         _nibbles(codes.reshape(rows, -1)),
         torch.from_numpy(np.ascontiguousarray(halves[:, :, 0])),
         torch.from_numpy(np.ascontiguousarray(halves[:, :, 1])),
-        sc=torch.from_numpy(scales),
+        qh,
+        torch.from_numpy(scales),
     )
 
 
@@ -339,42 +376,6 @@ def _repack(type_name: str, data: np.ndarray) -> QuantizedWeight:
     if high_bytes:  # a little-endian uint32 a block
         qh = torch.from_numpy(np.ascontiguousarray(high).view("<i4")[:, :, 0].astype(np.int32))
     return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(qs)), d, m, qh)
-
-
-def _recode(type_name: str, data: np.ndarray) -> QuantizedWeight:
-    """Q4_K/Q5_K: each 32 weights' scale d * sc and minimum -dmin * m from the super-block,
-    the integer codes recovered from the `gguf` package's own dequantization (exactly: a
-    code times its scale is exact in float32, and the division is rounded)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import Q4_K, dequantize
-
-    fmt = _GGUF_RECODED[type_name]
-    ggml_type = GGMLQuantizationType[type_name]
-    rows = data.shape[0]
-    raw = np.ascontiguousarray(data).reshape(rows, -1, GGML_QUANT_SIZES[ggml_type][1])
-    halves = raw[:, :, :4].copy().view(np.float16).astype(np.float32)  # [rows, blocks, 2]
-    sc, mn = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))  # 6-bit, 8 per super-block
-    sc = sc.reshape(rows, -1, 8).astype(np.float32)
-    mn = mn.reshape(rows, -1, 8).astype(np.float32)
-    # The same float32 products the gguf package (and llama.cpp) dequantize with.
-    d = (halves[:, :, :1] * sc).reshape(rows, -1).astype(np.float64)
-    m = -(halves[:, :, 1:] * mn).reshape(rows, -1).astype(np.float64)
-    w = dequantize(raw.reshape(rows, -1), ggml_type).reshape(rows, -1, BLOCK)
-    safe_d = np.where(d == 0, 1.0, d)[:, :, None]
-    codes = np.rint((w.astype(np.float64) - m[:, :, None]) / safe_d)
-    codes = np.where(d[:, :, None] == 0, 0, codes).astype(np.uint32)
-    qs = (codes[:, :, :16] & 0x0F) | ((codes[:, :, 16:] & 0x0F) << 4)
-    qh = None
-    if fmt == "q5_1":  # bit j: code j's fifth bit
-        qh = ((codes >> 4) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
-        qh = torch.from_numpy(qh.view(np.int32))
-    return QuantizedWeight(
-        fmt,
-        torch.from_numpy(qs.astype(np.uint8)),
-        torch.from_numpy(d.astype(np.float16)),
-        torch.from_numpy(m.astype(np.float16)),
-        qh,
-    )
 
 
 # ---- GPTQ and AWQ ----------------------------------------------------------------------

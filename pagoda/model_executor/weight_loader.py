@@ -68,7 +68,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]], dtype:
     """Load Hugging Face-named weights into `model` (a DecoderForCausalLM): dense tensors
     (stored in `dtype`; Gemma's norms in float32) or block-quantized ones (kept so, see
     QuantizedWeight). q/k/v and gate/up are fused from their parts once all have come;
-    fused parts stay quantized (in q8_0 when their formats differ).
+    fused parts stay quantized (see QuantizedWeight.cat where their formats differ).
 
     Raises ValueError naming any parameter left unloaded or of the wrong shape.
     """

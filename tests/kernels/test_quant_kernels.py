@@ -1,9 +1,9 @@
 """The quantized-weight kernels against their references, in float64.
 
 - Repacking: GGUF blocks made by the `gguf` package's own quantizer (random raw
-  super-blocks for Q4_K and Q6_K, which it cannot make) come back, through the PyTorch
+  super-blocks for Q4_K, Q5_K and Q6_K, which it cannot make) come back, through the PyTorch
   twin's dequantize, exactly as the package dequantizes them; every other GGUF type
-  (Q5_K, Q2_K, Q3_K, i-quants) within its stated rounding; fused parts of different
+  (Q2_K, Q3_K, i-quants) within its stated rounding; fused parts of different
   formats stack exactly (K-quants apart, each in its own format).
 - dequantize (C++) equals the PyTorch twin bit for bit, in float32 and bf16.
 - quant_linear (int8 activations, AVX512-VNNI) equals the same arithmetic done in
@@ -35,7 +35,7 @@ from tests.helpers import random_blocks
 GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
         "q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0,
         "q5_1": GGMLQuantizationType.Q5_1, "q4_k": GGMLQuantizationType.Q4_K,
-        "q6_k": GGMLQuantizationType.Q6_K,
+        "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K,
         "q8_0+m": GGMLQuantizationType.Q5_1}  # q8_0 codes with minimums (Q5_1 widened)  # fmt: skip
 KERNEL_CASES = (*FORMATS, "q8_0+m")
 
@@ -51,8 +51,8 @@ def make_weight(fmt: str, n: int, k: int, seed: int, adversarial: bool = False):
     if fmt in K_QUANTS:
         raw = random_blocks(GGUF[fmt].name, n, k, seed=seed)  # (row 0 starts with zeros)
         if adversarial:  # row 1: the largest scales, and a super-block's d at fp16's top
-            raw = raw.reshape(n, -1, 144 if fmt == "q4_k" else 210)
-            if fmt == "q4_k":
+            raw = raw.reshape(n, -1, {"q4_k": 144, "q5_k": 176, "q6_k": 210}[fmt])
+            if fmt != "q6_k":
                 raw[1, 0, 4:16] = 0xFF  # every 6-bit scale and minimum 63
             else:
                 raw[1, 0, 192:208] = np.array([127, 128] * 8, dtype=np.uint8)  # 127, -128
@@ -86,12 +86,13 @@ def test_repacked_blocks_dequantize_as_gguf_does(fmt):
     k = columns(fmt, 3)
     qw, dense = make_weight(fmt, 7, k, seed=1, adversarial=True)
     assert qw.shape == (7, k) and qw.format == fmt.removesuffix("+m")
-    assert (qw.m is not None) == (fmt in ("q4_1", "q5_1", "q8_0+m", "q4_k"))
+    assert (qw.m is not None) == (fmt in ("q4_1", "q5_1", "q8_0+m", "q4_k", "q5_k"))
     assert (qw.qh is not None) == (fmt.startswith("q5") or fmt == "q6_k")
     assert (qw.sc is not None) == (fmt in K_QUANTS)
-    # Bytes per 32 weights: as in the file, but q4_k's 6-bit scales and minimums unpacked.
+    # Bytes per 32 weights: as in the file, but q4_k's and q5_k's 6-bit scales and minimums
+    # unpacked.
     size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0+m": 36,
-            "q4_k": 18.5, "q6_k": 26.25}[fmt]  # fmt: skip
+            "q4_k": 18.5, "q5_k": 22.5, "q6_k": 26.25}[fmt]  # fmt: skip
     assert qw.nbytes == size * 7 * k // 32
     got = TORCH_OPS.dequantize(qw, torch.float32).double().numpy()
     np.testing.assert_array_equal(got, dense)
@@ -99,13 +100,12 @@ def test_repacked_blocks_dequantize_as_gguf_does(fmt):
 
 @pytest.mark.parametrize(
     "type_name,fmt",
-    [("Q5_0", "q5_0"), ("Q5_1", "q5_1"), ("Q4_K", "q4_k"), ("Q6_K", "q6_k"), ("Q5_K", "q5_1"),
+    [("Q5_0", "q5_0"), ("Q5_1", "q5_1"), ("Q4_K", "q4_k"), ("Q5_K", "q5_k"), ("Q6_K", "q6_k"),
      ("Q3_K", "q8_0"), ("Q2_K", "q8_0"), ("IQ4_XS", "q8_0")],
 )  # fmt: skip
 def test_every_gguf_type_loads_into_blocks(type_name, fmt):
-    """5-bit codes, Q4_K and Q6_K are kept exactly; Q5_K's codes too (its per-32 scale
-    and minimum rounded once to fp16); other types are requantized to q8_0, within
-    about half its step."""
+    """5-bit blocks and the K-quants Q4_K, Q5_K and Q6_K are kept exactly; other types
+    are requantized to q8_0, within about half its step."""
     raw = random_blocks(type_name, 6, 512, seed=8)
     ref = gguf_dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
     qw = from_gguf(type_name, raw)
@@ -113,13 +113,8 @@ def test_every_gguf_type_loads_into_blocks(type_name, fmt):
     got = TORCH_OPS.dequantize(qw, torch.float32).double().numpy()
     err = np.abs(got - ref).reshape(6, 16, 32)
     d = qw.d.double().numpy()[:, :, None]
-    m = qw.m.double().numpy()[:, :, None] if qw.m is not None else 0.0
-    if type_name in ("Q5_0", "Q5_1", "Q4_K", "Q6_K"):
+    if fmt != "q8_0":
         np.testing.assert_array_equal(got, ref)
-    elif type_name == "Q5_K":  # d * code and m, each within fp16's rounding
-        bound = 2.0**-11 * (np.abs(ref.reshape(err.shape)) + 2 * np.abs(m)) * 1.01 + 1e-12
-        assert (err <= bound).all()
-        assert err.max() > 0  # the rounding is real: this checks the bound, not zeros
     else:
         # Half a step, plus what rounding the step to fp16 costs the largest code.
         assert (err <= (0.5 + 127 * 2.0**-11) * np.abs(d) + 1e-12).all()
@@ -148,7 +143,7 @@ def test_fused_k_quants_stack_as_their_format_or_apart():
     assert same.format == "q4_k" and same.shape == (12, 512)
     np.testing.assert_array_equal(same.dequantized().double().numpy(), np.concatenate([dq, dk]))
     stack = QuantizedWeight.cat([q, k, v])
-    assert stack.format == "q4_k+q4_k+q6_k" and stack.shape == (18, 512)
+    assert stack.format == "q4_k+q6_k" and stack.shape == (18, 512)  # (q and k as one)
     assert stack.nbytes == q.nbytes + k.nbytes + v.nbytes
     np.testing.assert_array_equal(stack.dequantized().numpy(), np.concatenate([dq, dk, dv]))
     x, bias = torch.randn(3, 512), torch.randn(18)
@@ -159,14 +154,35 @@ def test_fused_k_quants_stack_as_their_format_or_apart():
         ops = cpu.cpu_ops(torch.float32)
         for rows in (3, 40):  # the blocks' kernels, and dequantized for a GEMM
             xr = torch.randn(rows, 512)
-            alone = [
-                ops.quant_linear(xr, p, bias[6 * i : 6 * i + 6]) for i, p in enumerate((q, k, v))
-            ]
+            alone = [ops.quant_linear(xr, same, bias[:12]), ops.quant_linear(xr, v, bias[12:])]
             stacked = ops.quant_linear(xr, stack, bias)
             assert torch.equal(stacked, torch.cat(alone, -1))
             exact = xr.double() @ torch.from_numpy(np.concatenate([dq, dk, dv])).T + bias.double()
             assert (stacked.double() - exact).norm() / exact.norm() < 0.02  # int8 activations
         assert torch.equal(ops.dequantize(stack, torch.float32), stack.dequantized())
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_columns_whole_super_blocks_or_in_blocks_of_32(fmt):
+    """A tensor-parallel cut on super-blocks keeps the format exactly; one inside them
+    gives the weight in 32-weight blocks: q4_k/q5_k's codes with each 32's scale and
+    minimum rounded to fp16 (q4_1/q5_1), q6_k requantized to q8_0."""
+    qw, dense = make_weight(fmt, 6, 1024, seed=40)
+    whole = qw.columns(256, 768)
+    assert whole.format == fmt and whole.shape == (6, 512)
+    np.testing.assert_array_equal(whole.dequantized().double().numpy(), dense[:, 256:768])
+    cut = qw.columns(128, 896)  # Llama-2-7B's 11,008 at two ranks cuts at 5,504 = 21.5 x 256
+    assert cut.format == {"q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_0"}[fmt]
+    assert cut.shape == (6, 768)
+    want = dense[:, 128:896].reshape(6, 24, 32)
+    err = np.abs(cut.dequantized().double().numpy().reshape(6, 24, 32) - want)
+    d = cut.d.double().numpy()[:, :, None]
+    if fmt == "q6_k":  # half an 8-bit step, plus the step's own fp16 rounding
+        assert (err <= (0.5 + 127 * 2.0**-11) * np.abs(d) + 1e-9).all()
+    else:  # d * code and the minimum, each within fp16's rounding
+        m = cut.m.double().numpy()[:, :, None]
+        assert (err <= 2.0**-11 * (np.abs(want) + 2 * np.abs(m)) * 1.01 + 1e-12).all()
+    assert err.max() > 0  # (the rounding is real)
 
 
 @pytest.mark.parametrize("fmt", KERNEL_CASES)

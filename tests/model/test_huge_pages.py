@@ -89,8 +89,9 @@ def test_a_model_moves_whole_with_ties_and_views(monkeypatch, shift):
     root.a.view_lo.add_(1.0)
     assert torch.equal(root.a.view_lo, big[:100] + 1.0)
     assert thp_eligible(root.a.plain) and thp_eligible(root.b.table)
-    # Below min_bytes: left where it was.
-    assert root.a.small.data_ptr() == small_ptr and not thp_eligible(root.a.small)
+    # Below min_bytes: left where it was. (Not checked: its mapping's eligibility, which
+    # is the allocator's; one run in a long process found a 16-byte tensor's eligible.)
+    assert root.a.small.data_ptr() == small_ptr
 
 
 @needs_thp

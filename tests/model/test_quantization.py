@@ -218,13 +218,13 @@ print(p.memory_info().rss - before)
 
 # A tiny Llama written as GGUF with the shipped file's tokenizer and metadata, each
 # linear in another block type: the exact repacks (fused q/k/v across three formats),
-# Q4_K and Q6_K kept in their super-blocks (a Q4_K_M file's mix, with a Q6_K embedding),
-# and the K-quants and i-quants that are not (scales rounded to fp16, or requantized
-# to q8_0).
+# Q4_K, Q5_K and Q6_K kept in their super-blocks (a Q4_K_M file's mix, with a Q6_K
+# embedding; fused parts of two types apart), and the K-quants and i-quants that are
+# requantized to q8_0, beside kept ones.
 EXACT_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
                "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q5_1"}  # fmt: skip
 K_NATIVE_TYPES = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
-                  "attn_output": "Q6_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
+                  "attn_output": "Q6_K", "ffn_gate": "Q4_K", "ffn_up": "Q5_K",
                   "ffn_down": "Q6_K"}  # fmt: skip
 K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q3_K",
            "ffn_gate": "Q4_K", "ffn_up": "Q2_K", "ffn_down": "IQ4_XS"}  # fmt: skip
@@ -277,7 +277,7 @@ def write_tiny_gguf(path: str, source: str, types: dict[str, str], seed: int = 0
 
 
 @pytest.mark.parametrize(
-    "types", [EXACT_TYPES, K_NATIVE_TYPES, K_TYPES], ids=["exact", "q4_k_q6_k", "other_k_and_i"]
+    "types", [EXACT_TYPES, K_NATIVE_TYPES, K_TYPES], ids=["exact", "k_kept", "k_and_i_requantized"]
 )
 def test_every_gguf_type_end_to_end(gguf_path, tmp_path, types):
     """Loaded as blocks (never as floats), float32 activations on them against
@@ -296,9 +296,13 @@ def test_every_gguf_type_end_to_end(gguf_path, tmp_path, types):
         assert held["model.layers.0.mlp.down_proj"] == "q5_1"  # 5-bit blocks as they are
     if types is K_NATIVE_TYPES:
         assert held["model.embed_tokens"] == held["lm_head"] == "q6_k"
-        assert held["model.layers.0.self_attn.qkv_proj"] == "q4_k+q4_k+q6_k"  # apart
-        assert held["model.layers.0.mlp.gate_up_proj"] == "q4_k"
+        assert held["model.layers.0.self_attn.qkv_proj"] == "q4_k+q6_k"  # q and k as one
+        assert held["model.layers.0.mlp.gate_up_proj"] == "q4_k+q5_k"
         assert held["model.layers.1.mlp.down_proj"] == "q6_k"
+    if types is K_TYPES:
+        assert held["model.layers.0.self_attn.qkv_proj"] == "q4_k+q5_k+q6_k"
+        assert held["model.layers.0.mlp.gate_up_proj"] == "q4_k+q8_0"  # Q2_K requantized
+        assert held["model.layers.0.self_attn.o_proj"] == "q8_0"
     prompts = tiny_prompts(llm.get_tokenizer(), n=6, seed=3)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
