@@ -11,7 +11,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.ops import cpu
-from tests.helpers import make_model, tiny_prompts
+from tests.helpers import K_NATIVE_TYPES, make_model, tiny_prompts, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the C++ kernels do not build here")
 
@@ -50,8 +50,6 @@ def test_decode_loop_equals_eager(tiny_models, arch, kwargs, batch):
 def test_decode_loop_runs_k_quants_as_eager(gguf_path, tmp_path):
     """A GGUF file with Q4_K and Q6_K weights (and embedding), kept in their
     super-blocks, at 1, 12 and 37 rows: each engine built once for the three."""
-    from tests.model.test_quantization import K_NATIVE_TYPES, write_tiny_gguf
-
     path = str(tmp_path / "k.gguf")
     write_tiny_gguf(path, gguf_path, K_NATIVE_TYPES)
     engines = [LLM(path, kv_cache_memory_bytes=1 << 23, enforce_eager=e) for e in (False, True)]

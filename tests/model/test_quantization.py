@@ -21,14 +21,17 @@ from gguf.quants import dequantize, quantize
 
 from pagoda import LLM, SamplingParams
 from tests.helpers import (
+    EXACT_TYPES,
+    K_NATIVE_TYPES,
+    K_TYPES,
     QUESTIONS,
     agreement_on_prefixes,
     agreement_with_hf_steps,
     assert_greedy_equals_hf,
     load_hf,
     quantized_modules,
-    random_blocks,
     tiny_prompts,
+    write_tiny_gguf,
 )
 
 FORMATS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
@@ -215,65 +218,6 @@ print(p.memory_info().rss - before)
 
 
 # ---- every GGUF type, end to end -----------------------------------------------------------
-
-# A tiny Llama written as GGUF with the shipped file's tokenizer and metadata, each
-# linear in another block type: the exact repacks (fused q/k/v across three formats),
-# Q4_K, Q5_K and Q6_K kept in their super-blocks (a Q4_K_M file's mix, with a Q6_K
-# embedding; fused parts of two types apart), and the K-quants and i-quants that are
-# requantized to q8_0, beside kept ones.
-EXACT_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
-               "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q5_1"}  # fmt: skip
-K_NATIVE_TYPES = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
-                  "attn_output": "Q6_K", "ffn_gate": "Q4_K", "ffn_up": "Q5_K",
-                  "ffn_down": "Q6_K"}  # fmt: skip
-K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q3_K",
-           "ffn_gate": "Q4_K", "ffn_up": "Q2_K", "ffn_down": "IQ4_XS"}  # fmt: skip
-TINY = {"block_count": 2, "embedding_length": 256, "feed_forward_length": 512,
-        "attention.head_count": 4, "attention.head_count_kv": 2, "context_length": 512}  # fmt: skip
-
-
-def blocks_with_std(type_name: str, rows: int, cols: int, seed: int, std: float) -> np.ndarray:
-    """Random raw blocks whose dequantized weights have standard deviation ~`std` (as
-    an initialized model's: a residual stream that one embedding does not dominate)."""
-
-    qtype = GGMLQuantizationType[type_name]
-    actual = dequantize(random_blocks(type_name, rows, cols, seed, 1e-3), qtype).std()
-    return random_blocks(type_name, rows, cols, seed, 1e-3 * std / actual)
-
-
-def write_tiny_gguf(path: str, source: str, types: dict[str, str], seed: int = 0) -> None:
-    from gguf import GGUFReader, GGUFWriter
-
-    reader = GGUFReader(source)
-    writer = GGUFWriter(path, "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
-        if key.startswith("llama.") and key.removeprefix("llama.") in TINY:
-            value = TINY[key.removeprefix("llama.")]
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(key, value, field.types[0], sub_type)
-    hidden, ffn, vocab = 256, 512, int(reader.fields["llama.vocab_size"].contents())
-    shapes = {"attn_q": (256, hidden), "attn_k": (128, hidden), "attn_v": (128, hidden),
-              "attn_output": (hidden, 256), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
-              "ffn_down": (hidden, ffn)}  # fmt: skip
-    embd = types.get("token_embd", "Q8_0")
-    writer.add_tensor("token_embd.weight", blocks_with_std(embd, vocab, hidden, seed, 0.02),
-                      raw_dtype=GGMLQuantizationType[embd])  # fmt: skip
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for layer in range(TINY["block_count"]):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, np.float32))
-        for part, (rows, cols) in shapes.items():
-            seed += 1
-            blocks = blocks_with_std(types[part], rows, cols, seed, 0.05)
-            writer.add_tensor(f"blk.{layer}.{part}.weight", blocks,
-                              raw_dtype=GGMLQuantizationType[types[part]])  # fmt: skip
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.mark.parametrize(
