@@ -13,12 +13,13 @@ layer. Shapes: Qwen3-1.7B's 28 layers (q, k, v, o, gate, up, down).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
-import time
 
 import torch
 
+from pagoda.bench.machine_limits import paired_medians
 from pagoda.bench.report import machine_info
 from pagoda.model_executor.huge_pages import huge_page_buffer
 from pagoda.model_executor.quantization import BLOCK, FORMATS
@@ -83,16 +84,12 @@ def main() -> None:
             x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, MLP)}
 
             code = FORMATS.index(fmt)
-            times = {name: [] for name in sets}
-            for weights, _ in sets.values():
-                run(module, weights, x, code)  # warm-up
-            for _ in range(args.rounds):
-                for name, (weights, _) in sets.items():
-                    start = time.perf_counter()
-                    run(module, weights, x, code)
-                    times[name].append(time.perf_counter() - start)
+            runs = {
+                name: functools.partial(run, module, weights, x, code)
+                for name, (weights, _) in sets.items()
+            }
+            median = paired_medians(runs, args.rounds)
             nbytes = sets["4k"][1]
-            median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
             row = {
                 "format": fmt, "rows": rows, "weight_mb": round(nbytes / 1e6, 1),
                 "ms_4k": round(median["4k"] * 1e3, 2), "ms_huge": round(median["huge"] * 1e3, 2),

@@ -15,12 +15,13 @@ process; each figure is the median of `--rounds` passes over every weight.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import time
 
 import torch
 
+from pagoda.bench.machine_limits import paired_medians
 from pagoda.bench.report import machine_info
 from pagoda.model_executor.huge_pages import move_to_huge_pages
 from pagoda.model_executor.quantization import QuantizedWeight, from_gguf
@@ -76,15 +77,8 @@ def main() -> None:
     for what, rows in [("quant_linear", r) for r in args.rows] + [("dequantize", None)]:
         x = {k: torch.randn(rows or 1, k, dtype=torch.bfloat16) for k in widths}
         run = products if what == "quant_linear" else dequantize
-        times = {name: [] for name in sets}
-        for weights in sets.values():
-            run(module, weights, x)  # warm-up
-        for _ in range(args.rounds):
-            for name, weights in sets.items():
-                start = time.perf_counter()
-                run(module, weights, x)
-                times[name].append(time.perf_counter() - start)
-        median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        runs = {name: functools.partial(run, module, ws, x) for name, ws in sets.items()}
+        median = paired_medians(runs, args.rounds)
         row = {
             "kernel": what, "rows": rows,
             "ms_k_quants": round(median["k_quants"] * 1e3, 2),

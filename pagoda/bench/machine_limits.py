@@ -70,6 +70,20 @@ def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
+def paired_medians(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Each run's median seconds, the runs timed in turn each round (after one untimed
+    call each), so that a drift in the machine falls on all of them alike."""
+    for fn in runs.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def read_bandwidth_gbs(num_bytes: int, repeats: int) -> float:
     """GB/s of one `sum` over a float32 tensor of `num_bytes` (make it much larger than
     the L3 cache: a sum reads every byte once and writes nothing)."""

@@ -12,13 +12,10 @@
 //         low nibbles, elements 0-15 of each block, and the high ones take their own
 //         scales; s16_a: Activations::sum16)
 //
-// The lane scales d sc and the products d sc q are exact in float32 (d has 11
-// significant bits, sc at most 8, q at most 6; q5_k's d sc q: 11 + 6 + 5), so dequantize rounds as the PyTorch
-// twin does, once.
+// The lane scales d sc and q4_k/q5_k's products d sc q are exact in float32 (d has 11
+// significant bits, sc 6, q 4 or 5), so dequantize rounds as the PyTorch twin does,
+// once; q6_k's d sc (q - 32) is one rounding of an exact d sc, as in the twin.
 #include <ATen/Parallel.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 #include "quant_blocks.h"
 
@@ -27,7 +24,7 @@ namespace pagoda_quant {
 KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
                        const c10::optional<at::Tensor>& qh, const c10::optional<at::Tensor>& sc,
                        int64_t format) {
-  const bool q4 = format != kQ6_K, q5 = format == kQ5_K;  // q4: scales and minimums
+  const bool with_min = format != kQ6_K, q5 = format == kQ5_K;
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(2) == 16,
               "qs must be a contiguous uint8 [N, K/32, 16] tensor");
   const int64_t N = qs.size(0), nb = qs.size(1);
@@ -38,10 +35,10 @@ KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::opt
                 name, " must be a contiguous float16 [N, K/256] tensor");
   };
   halves(d, "d");
-  TORCH_CHECK(m.has_value() == q4, "m (dmin) is given exactly for q4_k and q5_k");
-  if (q4) halves(*m, "m");
-  TORCH_CHECK(qh.has_value() == (q5 || !q4), "qh is given exactly for q5_k and q6_k");
-  if (!q4)
+  TORCH_CHECK(m.has_value() == with_min, "m (dmin) is given exactly for q4_k and q5_k");
+  if (with_min) halves(*m, "m");
+  TORCH_CHECK(qh.has_value() == (q5 || !with_min), "qh is given exactly for q5_k and q6_k");
+  if (!with_min)
     TORCH_CHECK(qh->scalar_type() == at::kByte && qh->is_contiguous() && qh->dim() == 3 &&
                     qh->size(0) == N && qh->size(1) == nb / 4 && qh->size(2) == 32,
                 "qh must be a contiguous uint8 [N, K/128, 32] tensor");
@@ -50,25 +47,21 @@ KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::opt
                     qh->size(0) == N && qh->size(1) == nb,
                 "qh must be a contiguous int32 [N, K/32] tensor");
   TORCH_CHECK(sc.has_value(), "a K-quant weight needs its scales sc");
-  TORCH_CHECK(sc->scalar_type() == (q4 ? at::kByte : at::kChar) && sc->is_contiguous() &&
+  TORCH_CHECK(sc->scalar_type() == (with_min ? at::kByte : at::kChar) && sc->is_contiguous() &&
                   sc->dim() == 3 && sc->size(0) == N && sc->size(1) == nb && sc->size(2) == 2,
-              "sc must be a contiguous ", q4 ? "uint8" : "int8", " [N, K/32, 2] tensor");
-  return KWeight{format, N, nb, qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(),
-                 q4 ? m->data_ptr<at::Half>() : nullptr, q4 ? nullptr : qh->data_ptr<uint8_t>(),
-                 q5 ? qh->data_ptr<int32_t>() : nullptr, static_cast<const uint8_t*>(sc->data_ptr())};
+              "sc must be a contiguous ", with_min ? "uint8" : "int8", " [N, K/32, 2] tensor");
+  return KWeight{format,
+                 N,
+                 nb,
+                 qs.data_ptr<uint8_t>(),
+                 d.data_ptr<at::Half>(),
+                 with_min ? m->data_ptr<at::Half>() : nullptr,
+                 with_min ? nullptr : qh->data_ptr<uint8_t>(),  // q6_k's high bit pairs
+                 q5 ? qh->data_ptr<int32_t>() : nullptr,        // q5_k's fifth bits
+                 static_cast<const uint8_t*>(sc->data_ptr())};
 }
 
 namespace {
-
-// fp16 to float in one instruction (F16C) where there is one: c10::Half's own
-// conversion is a dozen integer operations, once per block here.
-inline float to_float(at::Half h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h.x);
-#else
-  return static_cast<float>(h);
-#endif
-}
 
 // Block b of row n: its scale and shift per half (elements 0-15, 16-31), as floats.
 struct BlockScales {
@@ -115,13 +108,7 @@ void dequantize_k_rows(const KWeight& w, T* out, int64_t n0, int64_t n1) {
         lo = _mm512_add_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(shift)), three), 4)), minus32);
         hi = _mm512_add_epi32(_mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(shift + 4)), three), 4)), minus32);
       }
-      if (fifth != 0u) {  // q5_k: bit j is element j's fifth bit
-        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512i h = _mm512_set1_epi32(static_cast<int32_t>(fifth)), one = _mm512_set1_epi32(1);
-        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota), one), 4));
-        const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
-        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota16), one), 4));
-      }
+      if (fifth != 0u) or_fifth_bits(lo, hi, fifth);  // q5_k
       store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s.scale[0]), _mm512_set1_ps(s.shift[0])), 0xFFFF);
       store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(s.scale[1]), _mm512_set1_ps(s.shift[1])), 0xFFFF);
 #else
@@ -184,16 +171,7 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
         dlo = _mm512_mul_ps(_mm512_permutexvar_ps(even, s), d);
         dhi = _mm512_mul_ps(_mm512_permutexvar_ps(odd, s), d);
       } else {
-        if constexpr (kQ5) {  // byte 16 b + j: block b's element j (lo) and j + 16 (hi)
-          uint64_t lo_bits = 0, hi_bits = 0;
-          for (int64_t b = 0; b < 4; ++b) {
-            const uint32_t h = static_cast<uint32_t>(w.fifth[n * nb + g * 4 + b]);
-            lo_bits |= static_cast<uint64_t>(h & 0xFFFFu) << (16 * b);
-            hi_bits |= static_cast<uint64_t>(h >> 16) << (16 * b);
-          }
-          lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(lo_bits, _mm512_set1_epi8(0x10)));
-          hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(hi_bits, _mm512_set1_epi8(0x10)));
-        }
+        if constexpr (kQ5) or_fifth_bits(lo, hi, w.fifth + n * nb + g * 4, 4);
         dlo = _mm512_mul_ps(_mm512_permutexvar_ps(even, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8))), d);
         dhi = dlo;
       }
@@ -251,15 +229,9 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
 template <int64_t Format, typename Tout>
 void k_dot_format(const Activations& a, const KWeight& w, const float* bias, Tout* y, int64_t M,
                   int64_t n0, int64_t n1) {
-  for (int64_t i = 0; i < M; i += 8) {  // every weight row read once per 8 activation rows
-    switch (std::min<int64_t>(8, M - i)) {
-#define PAGODA_K_DOT_ROWS(MT) \
-  case MT: k_dot_rows<Format, MT>(a, w, bias, y, i, n0, n1); break;
-      PAGODA_K_DOT_ROWS(1) PAGODA_K_DOT_ROWS(2) PAGODA_K_DOT_ROWS(3) PAGODA_K_DOT_ROWS(4)
-      PAGODA_K_DOT_ROWS(5) PAGODA_K_DOT_ROWS(6) PAGODA_K_DOT_ROWS(7) PAGODA_K_DOT_ROWS(8)
-#undef PAGODA_K_DOT_ROWS
-    }
-  }
+  for_row_tiles(M, [&](auto mt, int64_t i) {
+    k_dot_rows<Format, decltype(mt)::value>(a, w, bias, y, i, n0, n1);
+  });
 }
 
 }  // namespace

@@ -7,9 +7,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace pagoda_quant {
 
@@ -22,6 +26,28 @@ enum Format : int64_t {
 inline bool is_k_quant(int64_t format) { return format >= kQ4_K && format <= kQ5_K; }
 // Bytes of qs a block of 32 takes.
 inline int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 32 : 16; }
+
+// fp16 to float in one instruction (F16C) where there is one: c10::Half's own
+// conversion is a dozen integer operations, once per block in the kernels.
+inline float to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+#if defined(__AVX512F__)
+// q5's fifth bits (bit j of `bits`: element j's) into a block's codes as int32 lanes:
+// lo holds elements 0-15, hi 16-31.
+inline void or_fifth_bits(__m512i& lo, __m512i& hi, uint32_t bits) {
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i h = _mm512_set1_epi32(static_cast<int32_t>(bits)), one = _mm512_set1_epi32(1);
+  const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
+  lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota), one), 4));
+  hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota16), one), 4));
+}
+#endif
 
 // ---- the K-quants (kquant_gemm.cpp) ------------------------------------------------------
 
@@ -42,6 +68,39 @@ template <typename T>
 void dequantize_k_rows(const KWeight& w, T* out, int64_t n0, int64_t n1);
 
 #ifdef PAGODA_HAS_VNNI
+// q5's fifth bits into `count` blocks' codes as bytes (a 64-byte load of 4-bit codes:
+// byte 16 b + j holds block b's element j in lo and j + 16 in hi), one masked move each.
+inline void or_fifth_bits(__m512i& lo, __m512i& hi, const int32_t* bits, int64_t count) {
+  uint64_t lo_bits = 0, hi_bits = 0;
+  for (int64_t b = 0; b < count; ++b) {
+    const uint32_t h = static_cast<uint32_t>(bits[b]);
+    lo_bits |= static_cast<uint64_t>(h & 0xFFFFu) << (16 * b);
+    hi_bits |= static_cast<uint64_t>(h >> 16) << (16 * b);
+  }
+  const __m512i fifth = _mm512_set1_epi8(0x10);
+  lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(lo_bits, fifth));
+  hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(hi_bits, fifth));
+}
+
+// Every weight row is read once per 8 activation rows: `tile(MT, i)` for the rows
+// [i, i + MT) of M, MT (at most 8) a compile-time constant so the tile's sums stay
+// in registers.
+template <typename Tile>
+inline void for_row_tiles(int64_t M, Tile&& tile) {
+  for (int64_t i = 0; i < M; i += 8) {
+    switch (std::min<int64_t>(8, M - i)) {
+      case 1: tile(std::integral_constant<int64_t, 1>{}, i); break;
+      case 2: tile(std::integral_constant<int64_t, 2>{}, i); break;
+      case 3: tile(std::integral_constant<int64_t, 3>{}, i); break;
+      case 4: tile(std::integral_constant<int64_t, 4>{}, i); break;
+      case 5: tile(std::integral_constant<int64_t, 5>{}, i); break;
+      case 6: tile(std::integral_constant<int64_t, 6>{}, i); break;
+      case 7: tile(std::integral_constant<int64_t, 7>{}, i); break;
+      default: tile(std::integral_constant<int64_t, 8>{}, i); break;
+    }
+  }
+}
+
 struct Activations {
   int64_t groups;            // 64-byte loads a row of weights takes
   std::vector<int8_t> q;     // [M, groups, 64] (q4: [M, groups, 2, 64], low then high halves)
@@ -64,7 +123,7 @@ inline void quantize_row_blocks(const Tin* x, int64_t nb, int64_t per_load, bool
     const int64_t g = b / per_load, slot = b % per_load;
     int8_t* dst = a.q.data() + ((i * a.groups + g) * halves) * 64;
     float d;
-    int32_t total;
+    int32_t half_total[2];  // elements 0-15, 16-31
 #if defined(__AVX512F__)
     using pagoda_simd::load16;
     const __m512 lo = load16(x + b * kBlock, 0xFFFF), hi = load16(x + b * kBlock + 16, 0xFFFF);
@@ -73,7 +132,8 @@ inline void quantize_row_blocks(const Tin* x, int64_t nb, int64_t per_load, bool
     const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));  // ties to even
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
-    total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    half_total[0] = _mm512_reduce_add_epi32(qlo);
+    half_total[1] = _mm512_reduce_add_epi32(qhi);
     // q4: byte j of a block pairs with element j (low nibble) and j + 16 (high).
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? slot * 16 : slot * 32)), _mm512_cvtepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? 64 + slot * 16 : slot * 32 + 16)), _mm512_cvtepi32_epi8(qhi));
@@ -86,16 +146,20 @@ inline void quantize_row_blocks(const Tin* x, int64_t nb, int64_t per_load, bool
     }
     d = amax / 127.f;
     const float id = d != 0.f ? 1.f / d : 0.f;
-    total = 0;
+    half_total[0] = half_total[1] = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
       const int32_t q = static_cast<int32_t>(std::nearbyint(v[j] * id));  // ties to even
-      total += q;
+      half_total[j / 16] += q;
       const int64_t at = q4 ? (j / 16) * 64 + slot * 16 + j % 16 : slot * 32 + j;
       dst[at] = static_cast<int8_t>(q);
     }
 #endif
     for (int64_t l = 0; l < lanes; ++l) a.scale[(i * a.groups + g) * 16 + slot * lanes + l] = d;
-    a.sum[i * a.groups * per_load + b] = d * static_cast<float>(total);
+    a.sum[i * a.groups * per_load + b] = d * static_cast<float>(half_total[0] + half_total[1]);
+    if (!a.sum16.empty()) {
+      a.sum16[(i * nb + b) * 2] = d * static_cast<float>(half_total[0]);
+      a.sum16[(i * nb + b) * 2 + 1] = d * static_cast<float>(half_total[1]);
+    }
   }
 }
 
@@ -109,22 +173,10 @@ inline Activations quantize_activations(const Tin* x, int64_t M, int64_t K, int6
   a.q.assign(M * a.groups * (q4 ? 2 : 1) * 64, 0);
   a.scale.assign(M * a.groups * 16, 0.f);
   a.sum.assign(M * a.groups * per_load, 0.f);
+  if (format == kQ6_K) a.sum16.assign(M * nb * 2, 0.f);
   for (int64_t i = 0; i < M; ++i) quantize_row_blocks(x + i * K, nb, per_load, q4, a, i);
-  if (format == kQ6_K) {
-    a.sum16.assign(M * nb * 2, 0.f);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t b = 0; b < nb; ++b)
-        for (int64_t half = 0; half < 2; ++half) {
-          const int64_t g = b / per_load, slot = b % per_load;
-          const int8_t* codes = a.q.data() + ((i * a.groups + g) * 2 + half) * 64 + slot * 16;
-          int32_t total = 0;
-          for (int64_t j = 0; j < 16; ++j) total += codes[j];
-          a.sum16[(i * nb + b) * 2 + half] = a.scale[(i * a.groups + g) * 16 + slot * 4] * total;
-        }
-  }
   return a;
 }
-
 
 // Rows [n0, n1) of y = x w^T (y [M, N]) on a K-quant weight.
 template <typename Tout>

@@ -59,8 +59,6 @@ void check_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional
                 "m must be like d");
 }
 
-inline float half_to_float(at::Half h) { return static_cast<float>(h); }
-
 // ---- dequantize ----------------------------------------------------------------------
 
 #if defined(__AVX512F__)
@@ -72,14 +70,12 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, co
                      int64_t format, T* out, int64_t nb, int64_t n0, int64_t n1) {
   const int64_t bb = block_bytes(format);
   const float offset = offset_of(format);
-  const __m512i low = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
+  const __m512i low = _mm512_set1_epi32(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* q = qs + (n * nb + b) * bb;
-      const float scale = half_to_float(d[n * nb + b]);
-      const float shift = (m != nullptr ? half_to_float(m[n * nb + b]) : 0.f) - offset * scale;
+      const float scale = to_float(d[n * nb + b]);
+      const float shift = (m != nullptr ? to_float(m[n * nb + b]) : 0.f) - offset * scale;
       const __m512 sv = _mm512_set1_ps(scale), hv = _mm512_set1_ps(shift);
       T* o = out + (n * nb + b) * kBlock;
       const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -90,11 +86,7 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, co
         store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), sv, hv), 0xFFFF);
       } else {  // elements 0..15 in the low nibbles, 16..31 in the high ones
         __m512i lo = _mm512_and_si512(first, low), hi = _mm512_srli_epi32(first, 4);
-        if (qh != nullptr) {  // bit j of qh: element j's fifth bit
-          const __m512i h = _mm512_set1_epi32(qh[n * nb + b]);
-          lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota), one), 4));
-          hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota16), one), 4));
-        }
+        if (qh != nullptr) or_fifth_bits(lo, hi, static_cast<uint32_t>(qh[n * nb + b]));
         store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sv, hv), 0xFFFF);
         store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sv, hv), 0xFFFF);
       }
@@ -110,8 +102,8 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, co
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* q = qs + (n * nb + b) * bb;
-      const float scale = half_to_float(d[n * nb + b]);
-      const float shift = (m != nullptr ? half_to_float(m[n * nb + b]) : 0.f) - offset * scale;
+      const float scale = to_float(d[n * nb + b]);
+      const float shift = (m != nullptr ? to_float(m[n * nb + b]) : 0.f) - offset * scale;
       T* o = out + (n * nb + b) * kBlock;
       for (int64_t j = 0; j < 16; ++j) {
         const uint32_t h = qh != nullptr ? static_cast<uint32_t>(qh[n * nb + b]) : 0u;
@@ -168,17 +160,7 @@ void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const 
         lo = _mm512_and_si512(w, low);
         hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
       }
-      if constexpr (kQ5) {  // byte 16 b + j: block b's element j (lo) and j + 16 (hi)
-        uint64_t lo_bits = 0, hi_bits = 0;
-        for (int64_t b = 0; b < count; ++b) {
-          const uint32_t h = static_cast<uint32_t>(qh[n * nb + g * kPerLoad + b]);
-          lo_bits |= static_cast<uint64_t>(h & 0xFFFFu) << (16 * b);
-          hi_bits |= static_cast<uint64_t>(h >> 16) << (16 * b);
-        }
-        const __m512i fifth = _mm512_set1_epi8(0x10);
-        lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(lo_bits, fifth));
-        hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(hi_bits, fifth));
-      }
+      if constexpr (kQ5) or_fifth_bits(lo, hi, qh + n * nb + g * kPerLoad, count);
 #pragma GCC unroll 8
       for (int64_t t = 0; t < MT; ++t) {
         const int64_t i = mi + t;
@@ -208,20 +190,13 @@ void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const 
   }
 }
 
-// Every weight row is read once per 8 activation rows: up to 8 rows run in one pass.
 template <int64_t Format, typename Tout>
 void dot_all(const Activations& a, const uint8_t* qs, const at::Half* d, const at::Half* m,
              const int32_t* qh, const float* bias, Tout* y, int64_t M, int64_t N, int64_t nb,
              int64_t n0, int64_t n1) {
-  for (int64_t i = 0; i < M; i += 8) {
-    switch (std::min<int64_t>(8, M - i)) {
-#define PAGODA_DOT_ROWS(MT) \
-  case MT: dot_rows<Format, MT>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1); break;
-      PAGODA_DOT_ROWS(1) PAGODA_DOT_ROWS(2) PAGODA_DOT_ROWS(3) PAGODA_DOT_ROWS(4)
-      PAGODA_DOT_ROWS(5) PAGODA_DOT_ROWS(6) PAGODA_DOT_ROWS(7) PAGODA_DOT_ROWS(8)
-#undef PAGODA_DOT_ROWS
-    }
-  }
+  for_row_tiles(M, [&](auto mt, int64_t i) {
+    dot_rows<Format, decltype(mt)::value>(a, qs, d, m, qh, bias, y, i, N, nb, n0, n1);
+  });
 }
 #endif
 

@@ -1,5 +1,5 @@
 """Quantized weights: the block formats q8_0, q4_0, q4_1, q5_0, q5_1, GGUF's K-quants
-q4_k and q6_k, and w8a8 (int8 per channel).
+q4_k, q5_k and q6_k, and w8a8 (int8 per channel).
 
 A `QuantizedWeight` is an [N, K] matrix stored as blocks of 32 weights along K, one
 fp16 scale each (and a minimum where the source had one), repacked at load into one
@@ -37,9 +37,9 @@ and multiply integers, which oneDNN's integer GEMM can do for large batches.
 
 Every quantized GGUF type loads into one of them (`from_gguf`): Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as they are; any other type (Q2_K, Q3_K, IQ*) is
-requantized to q8_0, which adds at most half an 8-bit step to each weight. The kernels (pagoda.ops) run linear layers on the blocks directly;
-nothing is expanded to a float matrix in memory except, transiently, for a
-prefill-sized product.
+requantized to q8_0, which adds at most half an 8-bit step to each weight. The kernels
+(pagoda.ops) run linear layers on the blocks directly; nothing is expanded to a float
+matrix in memory except, transiently, for a prefill-sized product.
 
 4-bit GPTQ and AWQ checkpoints (`from_gptq`, `from_awq`: groups of 32, 64, 128 ... weights
 along K, each with an fp16 scale and a 4-bit zero point) load into the same blocks:
@@ -49,6 +49,7 @@ minimum -scale * zero rounded once to fp16.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,16 +61,8 @@ FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "q5_k")
 SUPER_BLOCK = 256  # weights per K-quant super-block
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 PER_CHANNEL = "w8a8"
-OFFSETS = {
-    "q8_0": 128,
-    "q4_0": 8,
-    "q4_1": 0,
-    "q5_0": 16,
-    "q5_1": 0,
-    "q4_k": 0,
-    "q5_k": 0,
-    "q6_k": 32,
-}
+OFFSETS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0,
+           "q4_k": 0, "q5_k": 0, "q6_k": 32}  # fmt: skip
 # GGUF's raw block: (format, fp16 fields, bytes of high bits, quant bytes), in that order.
 _GGUF_LAYOUT = {
     "Q8_0": ("q8_0", 1, 0, 32), "Q4_0": ("q4_0", 1, 0, 16), "Q4_1": ("q4_1", 2, 0, 16),
@@ -85,8 +78,8 @@ class QuantizedWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
-    qh: torch.Tensor | None = None  # q5_0, q5_1, q6_k
-    sc: torch.Tensor | None = None  # q4_k, q6_k
+    qh: torch.Tensor | None = None  # q5_0, q5_1, q5_k, q6_k
+    sc: torch.Tensor | None = None  # the K-quants
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -160,13 +153,10 @@ class QuantizedWeight:
             return self.qs.float() * self.d.unsqueeze(1)
         codes = self.codes()
         if self.format in ("q4_k", "q5_k"):  # d * sc * q - dmin * m, in float32
-            per_block = SUPER_BLOCK // BLOCK
-            scale = self.d.float().repeat_interleave(per_block, 1) * self.sc[..., 0]
-            low = self.m.float().repeat_interleave(per_block, 1) * self.sc[..., 1]
-            w = scale.unsqueeze(-1) * codes - low.unsqueeze(-1)
+            scale, minimum = self._block_scale_and_minimum()
+            w = scale.unsqueeze(-1) * codes - minimum.unsqueeze(-1)
         elif self.format == "q6_k":  # d * sc * (q - 32), a scale per 16
-            per_block = SUPER_BLOCK // BLOCK
-            scale = self.d.float().repeat_interleave(per_block, 1).unsqueeze(-1) * self.sc
+            scale = _per_block(self.d).unsqueeze(-1) * self.sc
             w = scale.unsqueeze(-1) * (codes - 32).view(*codes.shape[:2], 2, 16)
         else:
             w = (codes - OFFSETS[self.format]).float() * self.d.float().unsqueeze(-1)
@@ -192,11 +182,14 @@ class QuantizedWeight:
             return requantized_q8_0(self.dequantized().numpy())
         if self.format not in K_QUANTS:
             return self
-        per_block = SUPER_BLOCK // BLOCK
-        d = self.d.float().repeat_interleave(per_block, 1) * self.sc[..., 0]
-        m = -(self.m.float().repeat_interleave(per_block, 1) * self.sc[..., 1])
+        scale, minimum = self._block_scale_and_minimum()
         fmt = "q4_1" if self.format == "q4_k" else "q5_1"
-        return QuantizedWeight(fmt, self.qs, d.half(), m.half(), self.qh)
+        return QuantizedWeight(fmt, self.qs, scale.half(), (-minimum).half(), self.qh)
+
+    def _block_scale_and_minimum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q4_k/q5_k: each block's scale d * sc and minimum dmin * mn, float32 [N, K/32]
+        (weight = scale * q - minimum), rounded as the gguf package rounds them."""
+        return _per_block(self.d) * self.sc[..., 0], _per_block(self.m) * self.sc[..., 1]
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
@@ -206,13 +199,8 @@ class QuantizedWeight:
         widened to q8_0 first, exactly."""
         formats = {p.format for p in parts}
         if len(formats) > 1 and formats & set(K_QUANTS):
-            runs = [[parts[0]]]
-            for p in parts[1:]:
-                if p.format == runs[-1][0].format:
-                    runs[-1].append(p)
-                else:
-                    runs.append([p])
-            return StackedWeight([QuantizedWeight.cat(run) for run in runs])
+            runs = itertools.groupby(parts, key=lambda p: p.format)
+            return StackedWeight([QuantizedWeight.cat(list(run)) for _, run in runs])
         if len(formats) > 1:
             parts = [p.widened() for p in parts]
         m = None
@@ -222,6 +210,12 @@ class QuantizedWeight:
         sc = torch.cat([p.sc for p in parts]) if parts[0].sc is not None else None
         qs, d = torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts])
         return QuantizedWeight(parts[0].format, qs, d, m, qh, sc)
+
+
+def _per_block(t: torch.Tensor) -> torch.Tensor:
+    """A K-quant's value per super-block [N, K/256] (d, dmin) as float32 per block of
+    32 [N, K/32]."""
+    return t.float().repeat_interleave(SUPER_BLOCK // BLOCK, 1)
 
 
 @dataclass
