@@ -10,13 +10,15 @@
 # one warm-up request: batch 1 (4 `uniform` requests, 128 in / 128 out, one in flight:
 # TPOT) and N at once (N `uniform` requests) for each N in AT_ONCE (default "16";
 # "16 64" adds 64 at once). llama.cpp runs as many slots of 1,024 tokens as the largest
-# N; pagoda its defaults with max_model_len 4096 and as many sequences. THREADS
-# (default 2) for both; OUT_DIR for results.
+# N; pagoda its defaults with max_model_len 4096 and as many sequences, in DTYPE
+# (default auto: bf16 where the CPU has it, else float32). THREADS (default 2) for
+# both; OUT_DIR for results.
 set -euo pipefail
 
 : "${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}"
 threads=${THREADS:-2}
 at_once=${AT_ONCE:-16}
+dtype=${DTYPE:-auto}
 slots=$(printf '%s\n' $at_once | sort -n | tail -1)
 out=${OUT_DIR:-bench_results/families_vs_llamacpp}
 port=8094
@@ -56,7 +58,7 @@ run_system() {
 }
 
 for file in "$@"; do
-  run_system "$file" pagoda pagoda serve "$file" --dtype bfloat16 --num-threads "$threads" \
+  run_system "$file" pagoda pagoda serve "$file" --dtype "$dtype" --num-threads "$threads" \
     --max-model-len 4096 --max-num-seqs "$slots" --port "$port"
   run_system "$file" llama.cpp "$LLAMA_SERVER" -m "$file" -t "$threads" \
     -c $((slots * 1024)) -np "$slots" --port "$port" --host 127.0.0.1

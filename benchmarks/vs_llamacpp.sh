@@ -10,7 +10,8 @@
 # (the default model's is Q4_1: pagoda keeps its blocks); pagoda also runs it
 # dequantized to bf16 (`--quantization none`), and llama.cpp a BF16 conversion if
 # LLAMA_GGUF_BF16 names one (`llama-quantize --allow-requantize IN OUT BF16`), the
-# like-for-like pair. THREADS (default 2) is given to both.
+# like-for-like pair. THREADS (default 2) is given to both; DTYPE (default auto: bf16
+# where the CPU has it, else float32) to pagoda on the GGUF as it is.
 set -euo pipefail
 
 : "${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}"
@@ -55,7 +56,7 @@ run_system() {
   stop "$pid"
 }
 
-run_system pagoda-gguf pagoda serve "$gguf" --dtype bfloat16 --num-threads "$threads" --port "$port"
+run_system pagoda-gguf pagoda serve "$gguf" --dtype "${DTYPE:-auto}" --num-threads "$threads" --port "$port"
 run_system pagoda-bf16 pagoda serve "$gguf" --dtype bfloat16 --quantization none --num-threads "$threads" --port "$port"
 run_system llama.cpp-gguf "$LLAMA_SERVER" -m "$gguf" -t "$threads" -c 53248 -np 64 --port "$port" --host 127.0.0.1
 if [[ -n "${LLAMA_GGUF_BF16:-}" ]]; then

@@ -94,7 +94,9 @@ class EngineArgs:
     quantization: str = "auto"
     keep_full_precision: tuple[str, ...] = ()
     # Quantized linears at small batch quantize their activations to int8 (llama.cpp's
-    # way: fast); None: on for bf16/fp16 models, off for float32 ones (exactness first).
+    # way: fast); None: on for bf16/fp16 models and where "auto" chose float32 (a CPU
+    # without native bf16: AVX2 alone), off where float32 was asked for by name
+    # (exactness first).
     int8_activations: bool | None = None
     # Decode steps of a few rows run the layers in one C++ call (csrc/decode_loop.cpp,
     # bitwise the same result); True keeps every step in the Python model (vLLM's name).
@@ -359,7 +361,7 @@ class EngineArgs:
             keep_full_precision=tuple(self.keep_full_precision),
             int8_activations=self.int8_activations
             if self.int8_activations is not None
-            else dtype != "float32",
+            else dtype != "float32" or self.dtype == "auto",
             enforce_eager=self.enforce_eager,
             batch_invariant=self.batch_invariant,
             max_model_len=self.max_model_len or model_max_len,

@@ -111,6 +111,21 @@ void dequantize_k_rows(const KWeight& w, T* out, int64_t n0, int64_t n1) {
       if (fifth != 0u) or_fifth_bits(lo, hi, fifth);  // q5_k
       store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s.scale[0]), _mm512_set1_ps(s.shift[0])), 0xFFFF);
       store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(s.scale[1]), _mm512_set1_ps(s.shift[1])), 0xFFFF);
+#elif defined(__AVX2__)
+      using pagoda_simd::store8;
+      for (int c = 0; c < 2; ++c) {
+        __m256i lo, hi;
+        nibbles8(q, c, lo, hi);
+        if (q6) {
+          const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(high + 8 * c)));
+          const __m256i three = _mm256_set1_epi32(3), minus32 = _mm256_set1_epi32(-32);
+          lo = _mm256_add_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(shift)), three), 4)), minus32);
+          hi = _mm256_add_epi32(_mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(shift + 4)), three), 4)), minus32);
+        }
+        if (fifth != 0u) or_fifth_bits(lo, hi, fifth, c);  // q5_k
+        store8(o + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(s.scale[0]), _mm256_set1_ps(s.shift[0])));
+        store8(o + 16 + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(s.scale[1]), _mm256_set1_ps(s.shift[1])));
+      }
 #else
       for (int64_t j = 0; j < 16; ++j) {
         int lo = q[j] & 0x0F, hi = q[j] >> 4;

@@ -67,6 +67,23 @@ KWeight check_k_weight(const at::Tensor& qs, const at::Tensor& d, const c10::opt
 template <typename T>
 void dequantize_k_rows(const KWeight& w, T* out, int64_t n0, int64_t n1);
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Elements 8c to 8c + 7 (lo) and 16 + 8c to 16 + 8c + 7 (hi) of a block whose 16 bytes
+// of codes are at q, as int32 lanes; and q5's fifth bits (bit j: element j's) into them.
+inline void nibbles8(const uint8_t* q, int c, __m256i& lo, __m256i& hi) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)));
+  lo = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+  hi = _mm256_srli_epi32(bytes, 4);
+}
+inline void or_fifth_bits(__m256i& lo, __m256i& hi, uint32_t bits, int c) {
+  const __m256i iota = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
+  const __m256i h = _mm256_set1_epi32(static_cast<int32_t>(bits)), one = _mm256_set1_epi32(1);
+  const __m256i iota16 = _mm256_add_epi32(iota, _mm256_set1_epi32(16));
+  lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, iota), one), 4));
+  hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, iota16), one), 4));
+}
+#endif
+
 #ifdef PAGODA_HAS_VNNI
 // q5's fifth bits into `count` blocks' codes as bytes (a 64-byte load of 4-bit codes:
 // byte 16 b + j holds block b's element j in lo and j + 16 in hi), one masked move each.
@@ -81,7 +98,9 @@ inline void or_fifth_bits(__m512i& lo, __m512i& hi, const int32_t* bits, int64_t
   lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(lo_bits, fifth));
   hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(hi_bits, fifth));
 }
+#endif
 
+#ifdef PAGODA_HAS_INT8_DOT
 // Every weight row is read once per 8 activation rows: `tile(MT, i)` for the rows
 // [i, i + MT) of M, MT (at most 8) a compile-time constant so the tile's sums stay
 // in registers.
@@ -137,6 +156,31 @@ inline void quantize_row_blocks(const Tin* x, int64_t nb, int64_t per_load, bool
     // q4: byte j of a block pairs with element j (low nibble) and j + 16 (high).
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? slot * 16 : slot * 32)), _mm512_cvtepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? 64 + slot * 16 : slot * 32 + 16)), _mm512_cvtepi32_epi8(qhi));
+#elif defined(__AVX2__)
+    using pagoda_simd::load8;
+    using pagoda_simd::sum8;
+    __m256 v[4];
+    __m256 amax8 = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int c = 0; c < 4; ++c) {
+      v[c] = load8(x + b * kBlock + 8 * c);
+      amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[c], abs_mask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    d = _mm_cvtss_f32(m4) / 127.f;
+    const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+    __m256i q[4];
+    for (int c = 0; c < 4; ++c) q[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], id));  // ties to even
+    half_total[0] = sum8(_mm256_add_epi32(q[0], q[1]));
+    half_total[1] = sum8(_mm256_add_epi32(q[2], q[3]));
+    // Packing interleaves the 128-bit lanes; the permute puts elements 0-31 in order.
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? slot * 16 : slot * 32)), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (q4 ? 64 + slot * 16 : slot * 32 + 16)), _mm256_extracti128_si256(packed, 1));
 #else
     float v[kBlock];
     float amax = 0.f;
@@ -178,7 +222,13 @@ inline Activations quantize_activations(const Tin* x, int64_t M, int64_t K, int6
   return a;
 }
 
-// Rows [n0, n1) of y = x w^T (y [M, N]) on a K-quant weight.
+// Rows [n0, n1) of y = x w^T (y [M, N]) on a 32-weight format's blocks (quant_gemm.cpp
+// with VNNI, quant_gemm_avx2.cpp with AVX2 alone).
+template <typename Tout>
+void block_dot_all(const Activations& a, int64_t format, const uint8_t* qs, const at::Half* d,
+                   const at::Half* m, const int32_t* qh, const float* bias, Tout* y, int64_t M,
+                   int64_t N, int64_t nb, int64_t n0, int64_t n1);
+// The same on a K-quant weight (kquant_gemm.cpp, quant_gemm_avx2.cpp).
 template <typename Tout>
 void k_dot_all(const Activations& a, const KWeight& w, const float* bias, Tout* y, int64_t M,
                int64_t n0, int64_t n1);

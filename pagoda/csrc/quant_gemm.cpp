@@ -93,6 +93,37 @@ void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, co
     }
   }
 }
+#elif defined(__AVX2__)
+using pagoda_simd::store8;
+template <typename T>
+void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, const int32_t* qh,
+                     int64_t format, T* out, int64_t nb, int64_t n0, int64_t n1) {
+  const int64_t bb = block_bytes(format);
+  const float offset = offset_of(format);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* q = qs + (n * nb + b) * bb;
+      const float scale = to_float(d[n * nb + b]);
+      const float shift = (m != nullptr ? to_float(m[n * nb + b]) : 0.f) - offset * scale;
+      const __m256 sv = _mm256_set1_ps(scale), hv = _mm256_set1_ps(shift);
+      T* o = out + (n * nb + b) * kBlock;
+      if (format == kQ8_0) {
+        for (int c = 0; c < 4; ++c) {
+          const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)));
+          store8(o + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), sv, hv));
+        }
+        continue;
+      }
+      for (int c = 0; c < 2; ++c) {
+        __m256i lo, hi;
+        nibbles8(q, c, lo, hi);
+        if (qh != nullptr) or_fifth_bits(lo, hi, static_cast<uint32_t>(qh[n * nb + b]), c);
+        store8(o + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), sv, hv));
+        store8(o + 16 + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), sv, hv));
+      }
+    }
+  }
+}
 #else
 template <typename T>
 void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, const int32_t* qh,
@@ -202,8 +233,25 @@ void dot_all(const Activations& a, const uint8_t* qs, const at::Half* d, const a
 
 }  // namespace
 
-bool quant_linear_available() {
 #ifdef PAGODA_HAS_VNNI
+namespace pagoda_quant {
+template <typename Tout>
+void block_dot_all(const Activations& a, int64_t format, const uint8_t* qs, const at::Half* d,
+                   const at::Half* m, const int32_t* qh, const float* bias, Tout* y, int64_t M,
+                   int64_t N, int64_t nb, int64_t n0, int64_t n1) {
+  switch (format) {
+    case kQ8_0: return dot_all<kQ8_0>(a, qs, d, m, qh, bias, y, M, N, nb, n0, n1);
+    case kQ4_0: return dot_all<kQ4_0>(a, qs, d, m, qh, bias, y, M, N, nb, n0, n1);
+    case kQ4_1: return dot_all<kQ4_1>(a, qs, d, m, qh, bias, y, M, N, nb, n0, n1);
+    case kQ5_0: return dot_all<kQ5_0>(a, qs, d, m, qh, bias, y, M, N, nb, n0, n1);
+    default: return dot_all<kQ5_1>(a, qs, d, m, qh, bias, y, M, N, nb, n0, n1);
+  }
+}
+}  // namespace pagoda_quant
+#endif
+
+bool quant_linear_available() {
+#ifdef PAGODA_HAS_INT8_DOT
   return true;
 #else
   return false;
@@ -252,7 +300,7 @@ at::Tensor dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m, 
 at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                         int64_t format, c10::optional<at::Tensor> bias,
                         c10::optional<at::Tensor> qh, c10::optional<at::Tensor> sc) {
-#ifdef PAGODA_HAS_VNNI
+#ifdef PAGODA_HAS_INT8_DOT
   KWeight kw{};
   if (is_k_quant(format))
     kw = check_k_weight(qs, d, m, qh, sc, format);
@@ -276,16 +324,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional
   const int32_t* hp = qh.has_value() && !is_k_quant(format) ? qh->data_ptr<int32_t>() : nullptr;
   auto run = [&](auto* out) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      switch (format) {
-        case kQ4_K:
-        case kQ5_K:
-        case kQ6_K: return k_dot_all(a, kw, bp, out, M, n0, n1);
-        case kQ8_0: return dot_all<kQ8_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
-        case kQ4_0: return dot_all<kQ4_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
-        case kQ4_1: return dot_all<kQ4_1>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
-        case kQ5_0: return dot_all<kQ5_0>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
-        default: return dot_all<kQ5_1>(a, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
-      }
+      if (is_k_quant(format)) return k_dot_all(a, kw, bp, out, M, n0, n1);
+      block_dot_all(a, format, q, dp, mp, hp, bp, out, M, N, nb, n0, n1);
     });
   };
   if (x.scalar_type() == at::kFloat)
@@ -294,6 +334,6 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional
     run(y.data_ptr<at::BFloat16>());
   return y;
 #else
-  TORCH_CHECK(false, "quant_linear needs AVX512-VNNI; use the PyTorch twin");
+  TORCH_CHECK(false, "quant_linear needs AVX512-VNNI or AVX2; use the PyTorch twin");
 #endif
 }

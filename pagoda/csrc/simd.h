@@ -1,8 +1,13 @@
 // What the CPU kernels share: PAGODA_HAS_VNNI where AVX512-VNNI (with BW and VL) was
-// compiled in, and 16 floats to and from float32 or bfloat16 memory, masked for tails.
+// compiled in, PAGODA_HAS_INT8_DOT where the int8 dot products on quantized blocks are
+// (VNNI, or AVX2's vpmaddubsw without it), and 16 floats to and from float32 or
+// bfloat16 memory, masked for tails.
 #pragma once
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGODA_HAS_VNNI 1
+#endif
+#if defined(PAGODA_HAS_VNNI) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define PAGODA_HAS_INT8_DOT 1
 #endif
 #include <cstdint>
 
@@ -35,6 +40,42 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
 
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+}  // namespace pagoda_simd
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+namespace pagoda_simd {
+
+// 8 floats from float32 or bfloat16 memory, and sums of 8 lanes (AVX2 kernels).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// Round to nearest even, as c10::BFloat16 does (finite inputs).
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
 }  // namespace pagoda_simd

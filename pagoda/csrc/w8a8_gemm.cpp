@@ -8,7 +8,7 @@
 // signed bytes, so the activations go in shifted to unsigned (q_x + 128) and the shift
 // is taken back with the weight row's sum, itself a vpdpbusd against ones in the same
 // pass: sum_k (q_x + 128) q_w - 128 sum_k q_w. Each weight byte is read once, the sums
-// stay integers until one scale per output.
+// stay integers until one scale per output. AVX2 alone: see its dot_rows below.
 //
 // int8_linear_large (prefill, big batches): the same quantization, then oneDNN's integer
 // GEMM (at::_int_mm: AMX-INT8 or VNNI where the CPU has them) and one pass applying
@@ -114,18 +114,58 @@ void dot_rows(const uint8_t* xq, int64_t kpad, const int8_t* w, int64_t K, int32
     for (int64_t t = 0; t < MT; ++t) acc_out[(mi + t) * N + n] = _mm512_reduce_add_epi32(acc[t]) - shift;
   }
 }
+using ActivationCode = uint8_t;  // q_x + 128
+constexpr bool kShifted = true;
+#elif defined(PAGODA_HAS_INT8_DOT)
+// AVX2: vpmaddubsw takes |q_w| (unsigned) against q_x with q_w's sign, int16 pairs of at
+// most 2 x 128 x 127 (no saturation), then vpmaddwd adds pairs of those into int32 lanes.
+// The activations stay signed; the last K % 32 products are summed one by one.
+template <int64_t MT>
+void dot_rows(const int8_t* xq, int64_t kpad, const int8_t* w, int64_t K, int32_t* acc_out,
+              int64_t N, int64_t mi, int64_t n0, int64_t n1) {
+  const int64_t whole = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wrow = w + n * K;
+    __m256i acc[MT];
+    for (int64_t t = 0; t < MT; ++t) acc[t] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < whole; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wrow + c * 32 + kPrefetchBytes), _MM_HINT_T0);
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + c * 32));
+      const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+      for (int64_t t = 0; t < MT; ++t) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (mi + t) * kpad + c * 32));
+        acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv)), ones));
+      }
+    }
+    for (int64_t t = 0; t < MT; ++t) {
+      int32_t sum = pagoda_simd::sum8(acc[t]);
+      for (int64_t k = whole * 32; k < K; ++k) sum += static_cast<int32_t>(wrow[k]) * xq[(mi + t) * kpad + k];
+      acc_out[(mi + t) * N + n] = sum;
+    }
+  }
+}
+using ActivationCode = int8_t;  // q_x as it is
+constexpr bool kShifted = false;
 #endif
 
 template <typename T>
 at::Tensor small_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                       const float* bias) {
-#ifdef PAGODA_HAS_VNNI
+#ifdef PAGODA_HAS_INT8_DOT
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const int64_t kpad = (K + 63) / 64 * 64;
-  std::vector<uint8_t> xq(M * kpad, 128);  // padding: code 0, against masked-off weights
+  // Padding: code 0 (128 shifted), against masked-off weights.
+  std::vector<ActivationCode> xq(M * kpad, kShifted ? 128 : 0);
   std::vector<float> sx(M);
   const T* xp = x.data_ptr<T>();
-  for (int64_t i = 0; i < M; ++i) sx[i] = quantize_row(xp + i * K, K, xq.data() + i * kpad, nullptr);
+  for (int64_t i = 0; i < M; ++i) {
+    ActivationCode* row = xq.data() + i * kpad;
+    if constexpr (kShifted)
+      sx[i] = quantize_row(xp + i * K, K, reinterpret_cast<uint8_t*>(row), nullptr);
+    else
+      sx[i] = quantize_row(xp + i * K, K, nullptr, reinterpret_cast<int8_t*>(row));
+  }
   std::vector<int32_t> acc(M * N);
   const int8_t* wp = w.data_ptr<int8_t>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -139,7 +179,7 @@ at::Tensor small_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     store_row(y.data_ptr<T>() + i * N, acc.data() + i * N, sx[i], w_scale.data_ptr<float>(), bias, N);
   return y;
 #else
-  TORCH_CHECK(false, "int8_linear_small needs AVX512-VNNI; use int8_linear_large");
+  TORCH_CHECK(false, "int8_linear_small needs AVX512-VNNI or AVX2; use int8_linear_large");
 #endif
 }
 
@@ -212,7 +252,7 @@ void int8_dequantize(at::Tensor w, at::Tensor w_scale, at::Tensor out) {
 }
 
 bool int8_linear_small_available() {
-#ifdef PAGODA_HAS_VNNI
+#ifdef PAGODA_HAS_INT8_DOT
   return true;
 #else
   return false;

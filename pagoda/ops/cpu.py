@@ -32,6 +32,7 @@ _SOURCES = [
         "fused_ops.cpp",
         "quant_gemm.cpp",
         "kquant_gemm.cpp",
+        "quant_gemm_avx2.cpp",
         "w8a8_gemm.cpp",
         "decode_loop.cpp",
         "lora.cpp",

@@ -68,6 +68,8 @@ def make_weight(fmt: str, n: int, k: int, seed: int, adversarial: bool = False):
         w[1, 32:64] = -60000.0
         w[2, 5] = 40.0  # one outlier in a block of small values
     raw = gguf_quantize(w, GGUF[fmt])
+    if adversarial and fmt == "q8_0":  # codes at int8's two ends, -128 and 127
+        raw[3, 2:34] = np.array([128, 127] * 16, dtype=np.uint8)
     qw = from_gguf(GGUF[fmt].name, raw)
     if fmt == "q8_0+m":
         qw = qw.widened()
@@ -228,7 +230,7 @@ def reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -
 def test_quant_linear_equals_float64(fmt, dtype, rows):
     module = kernels_or_skip()
     if not module.quant_linear_available():
-        pytest.skip("no AVX512-VNNI")
+        pytest.skip("no int8 dot products (AVX512-VNNI or AVX2)")
     for n, nb, seed in ((37, 18, 3), (64, 48, 4), (5, 1, 5), (11, 7, 6)):
         k = columns(fmt, nb)
         nb = k // 32
@@ -261,7 +263,7 @@ def test_quant_linear_rows_are_independent(fmt):
     decoding verifies drafts as extra rows and must get what decoding one by one gets."""
     module = kernels_or_skip()
     if not module.quant_linear_available():
-        pytest.skip("no AVX512-VNNI")
+        pytest.skip("no int8 dot products (AVX512-VNNI or AVX2)")
     k = columns(fmt, 9)
     qw, _ = make_weight(fmt, 40, k, seed=8, adversarial=True)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(8)).bfloat16()
