@@ -101,21 +101,24 @@ inline void or_fifth_bits(__m512i& lo, __m512i& hi, const int32_t* bits, int64_t
 #endif
 
 #ifdef PAGODA_HAS_INT8_DOT
-// Every weight row is read once per 8 activation rows: `tile(MT, i)` for the rows
-// [i, i + MT) of M, MT (at most 8) a compile-time constant so the tile's sums stay
-// in registers.
-template <typename Tile>
+// Every weight row is read once per kMaxTile activation rows (8; AVX2's 16 registers
+// hold fewer sums than AVX512's 32): `tile(MT, i)` for the rows [i, i + MT) of M, MT
+// a compile-time constant so the tile's sums stay in registers.
+template <int64_t kMaxTile = 8, typename Tile>
 inline void for_row_tiles(int64_t M, Tile&& tile) {
-  for (int64_t i = 0; i < M; i += 8) {
-    switch (std::min<int64_t>(8, M - i)) {
-      case 1: tile(std::integral_constant<int64_t, 1>{}, i); break;
-      case 2: tile(std::integral_constant<int64_t, 2>{}, i); break;
-      case 3: tile(std::integral_constant<int64_t, 3>{}, i); break;
-      case 4: tile(std::integral_constant<int64_t, 4>{}, i); break;
-      case 5: tile(std::integral_constant<int64_t, 5>{}, i); break;
-      case 6: tile(std::integral_constant<int64_t, 6>{}, i); break;
-      case 7: tile(std::integral_constant<int64_t, 7>{}, i); break;
-      default: tile(std::integral_constant<int64_t, 8>{}, i); break;
+  auto tile_of = [&](auto mt, int64_t i) {
+    if constexpr (decltype(mt)::value <= kMaxTile) tile(mt, i);
+  };
+  for (int64_t i = 0; i < M; i += kMaxTile) {
+    switch (std::min<int64_t>(kMaxTile, M - i)) {
+      case 1: tile_of(std::integral_constant<int64_t, 1>{}, i); break;
+      case 2: tile_of(std::integral_constant<int64_t, 2>{}, i); break;
+      case 3: tile_of(std::integral_constant<int64_t, 3>{}, i); break;
+      case 4: tile_of(std::integral_constant<int64_t, 4>{}, i); break;
+      case 5: tile_of(std::integral_constant<int64_t, 5>{}, i); break;
+      case 6: tile_of(std::integral_constant<int64_t, 6>{}, i); break;
+      case 7: tile_of(std::integral_constant<int64_t, 7>{}, i); break;
+      default: tile_of(std::integral_constant<int64_t, 8>{}, i); break;
     }
   }
 }
