@@ -23,12 +23,31 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PAGODA_HAS_BF16_DOT 1
+#define PAGODA_HAS_SMALL_GEMM 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGODA_HAS_SMALL_GEMM 1  // bf16 widened to float32, 8 lanes (no AVX512-BF16)
 #endif
 
 namespace {
 
-#ifdef PAGODA_HAS_BF16_DOT
+#ifdef PAGODA_HAS_SMALL_GEMM
 constexpr int64_t kRowBlock = 4;  // weight rows per pass: four independent accumulators
+
+inline uint16_t to_bf16_bits(float f) {
+  const c10::BFloat16 b(f);  // round to nearest even
+  uint16_t bits;
+  std::memcpy(&bits, &b, sizeof(bits));
+  return bits;
+}
+inline void store_out(uint16_t* y, float v) { *y = to_bf16_bits(v); }
+inline void store_out(float* y, float v) { *y = v; }
+#endif
+
+#ifdef PAGODA_HAS_BF16_DOT
+using Acc = __m512;
+inline Acc zero_acc() { return _mm512_setzero_ps(); }
+inline float sum_acc(Acc a) { return _mm512_reduce_add_ps(a); }
 
 inline __m512bh load_pairs(const uint16_t* p, int64_t n) {
   // n bf16 values (n <= 32), zero-filled past n.
@@ -42,31 +61,47 @@ inline __m512 load_floats(const float* p, int64_t n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
 
-inline uint16_t to_bf16_bits(float f) {
-  const c10::BFloat16 b(f);  // round to nearest even
-  uint16_t bits;
-  std::memcpy(&bits, &b, sizeof(bits));
-  return bits;
-}
-
 // bf16 (uint16_t bits): 32 values a step, in pairs; float: 16 a step.
 template <typename T> constexpr int64_t kStep = std::is_same_v<T, float> ? 16 : 32;
 inline __m512bh load_step(const uint16_t* p, int64_t n) { return load_pairs(p, n); }
 inline __m512 load_step(const float* p, int64_t n) { return load_floats(p, n); }
 inline __m512 dot_step(__m512 acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
 inline __m512 dot_step(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
-inline void store_out(uint16_t* y, float v) { *y = to_bf16_bits(v); }
-inline void store_out(float* y, float v) { *y = v; }
+#elif defined(PAGODA_HAS_SMALL_GEMM)
+// AVX2: 8 values a step, bf16 widened to float32 (a bf16 product is exact in float32,
+// so the sums are those of the AVX512-BF16 kernel's order up to the lanes' count).
+using Acc = __m256;
+inline Acc zero_acc() { return _mm256_setzero_ps(); }
+inline float sum_acc(Acc a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+template <typename T> constexpr int64_t kStep = 8;
+inline __m256 load_step(const uint16_t* p, int64_t n) {  // zero-filled past n (n <= 8)
+  uint16_t tail[8] = {};
+  if (n < 8) std::memcpy(tail, p, n * sizeof(uint16_t)), p = tail;
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load_step(const float* p, int64_t n) {
+  float tail[8] = {};
+  if (n < 8) std::memcpy(tail, p, n * sizeof(float)), p = tail;
+  return _mm256_loadu_ps(p);
+}
+inline __m256 dot_step(__m256 acc, __m256 x, __m256 w) { return _mm256_fmadd_ps(x, w, acc); }
+#endif
 
+#ifdef PAGODA_HAS_SMALL_GEMM
 // Rows [n0, n1) of y for all M rows of x: R weight rows against MT rows of x at a
 // time (R x MT accumulators), so each loaded weight chunk serves MT dot products.
 template <typename T, int64_t R, int64_t MT>
 void tile(const T* x, const T* w, const float* bias, T* y, int64_t N, int64_t K, int64_t n,
           int64_t m) {
   constexpr int64_t S = kStep<T>;
-  __m512 acc[MT][R];
+  Acc acc[MT][R];
   for (int64_t i = 0; i < MT; ++i)
-    for (int64_t r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < R; ++r) acc[i][r] = zero_acc();
   auto step = [&](int64_t k, int64_t len) {
     decltype(load_step(x, len)) xv[MT];
     for (int64_t i = 0; i < MT; ++i) xv[i] = load_step(x + (m + i) * K + k, len);
@@ -84,7 +119,7 @@ void tile(const T* x, const T* w, const float* bias, T* y, int64_t N, int64_t K,
   for (int64_t i = 0; i < MT; ++i)
     for (int64_t r = 0; r < R; ++r) {
       const float b = bias != nullptr ? bias[n + r] : 0.f;
-      store_out(y + (m + i) * N + n + r, _mm512_reduce_add_ps(acc[i][r]) + b);
+      store_out(y + (m + i) * N + n + r, sum_acc(acc[i][r]) + b);
     }
 }
 
@@ -110,7 +145,7 @@ void rows_pass(const T* x, const T* w, const float* bias, T* y, int64_t M, int64
 }  // namespace
 
 bool small_gemm_available() {
-#ifdef PAGODA_HAS_BF16_DOT
+#ifdef PAGODA_HAS_SMALL_GEMM
   return true;
 #else
   return false;
@@ -119,7 +154,7 @@ bool small_gemm_available() {
 
 // x: [M, K], w: [N, K], both bfloat16 or both float32; bias: [N] or undefined -> [M, N].
 at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(small_gemm_available(), "small_gemm: built without AVX512-BF16");
+  TORCH_CHECK(small_gemm_available(), "small_gemm: built without AVX512-BF16 or AVX2");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_gemm: bad shapes");
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && w.scalar_type() == dtype,
@@ -130,7 +165,7 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   auto y = at::empty({M, N}, x.options());
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
-#ifdef PAGODA_HAS_BF16_DOT
+#ifdef PAGODA_HAS_SMALL_GEMM
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto run = [&]<typename T>(const T* xp, const T* wp, T* yp) {
     const int64_t blocks = N / kRowBlock;

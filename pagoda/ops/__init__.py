@@ -1,9 +1,11 @@
 """The kernel layer: each primitive is one function, chosen once at load.
 
     primitive         PyTorch twin (torch_ops)      CPU kernel (cpu, C++)
-    linear            F.linear                      small_gemm up to 8 bf16 rows (AVX512-BF16)
+    linear            F.linear                      small_gemm up to 8 bf16 rows (AVX512-BF16,
+                                                    or AVX2 on bf16 widened to float32)
     quant_linear      dequantize, then F.linear     int8 dot products on the blocks up to a few
-                                                    rows (AVX512-VNNI); past that, dequantize;
+                                                    rows (AVX512-VNNI, or AVX2's vpmaddubsw);
+                                                    past that, dequantize;
                                                     int8 per-channel weights: W8A8, VNNI dot
                                                     products or oneDNN's integer GEMM
     dequantize        float math on the blocks      one pass
@@ -73,7 +75,7 @@ def select_ops(
     ops = cpu.cpu_ops(dtype, int8_activations, batch_invariant)
     if ops is None and batch_invariant:
         raise ValueError(
-            f"batch_invariant: needs pagoda's C++ CPU kernels with AVX512-BF16 for {dtype} "
+            f"batch_invariant: needs pagoda's C++ CPU kernels (AVX512-BF16 or AVX2) for {dtype} "
             "(float32 or bfloat16 models; see the log for a build error)."
         )
     if ops is None:
