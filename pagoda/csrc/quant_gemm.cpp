@@ -61,92 +61,77 @@ void check_weight(const at::Tensor& qs, const at::Tensor& d, const c10::optional
 
 // ---- dequantize ----------------------------------------------------------------------
 
+// One block of 32 into o: value = q * scale + shift, shift = m - offset * scale. q * scale
+// is exact (an 8-bit integer times an fp16 scale), so one rounding, as in the PyTorch
+// twin. bits: q5's fifth bits (0 for the other formats).
 #if defined(__AVX512F__)
-using pagoda_simd::store16;
-// value = q * scale + shift, shift = m - offset * scale: q * scale is exact (an 8-bit
-// integer times an fp16 scale), so one rounding, as in the PyTorch twin.
 template <typename T>
-void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, const int32_t* qh,
-                     int64_t format, T* out, int64_t nb, int64_t n0, int64_t n1) {
-  const int64_t bb = block_bytes(format);
-  const float offset = offset_of(format);
-  const __m512i low = _mm512_set1_epi32(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* q = qs + (n * nb + b) * bb;
-      const float scale = to_float(d[n * nb + b]);
-      const float shift = (m != nullptr ? to_float(m[n * nb + b]) : 0.f) - offset * scale;
-      const __m512 sv = _mm512_set1_ps(scale), hv = _mm512_set1_ps(shift);
-      T* o = out + (n * nb + b) * kBlock;
-      const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-      if (format == kQ8_0) {
-        const __m512i second =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-        store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), sv, hv), 0xFFFF);
-        store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), sv, hv), 0xFFFF);
-      } else {  // elements 0..15 in the low nibbles, 16..31 in the high ones
-        __m512i lo = _mm512_and_si512(first, low), hi = _mm512_srli_epi32(first, 4);
-        if (qh != nullptr) or_fifth_bits(lo, hi, static_cast<uint32_t>(qh[n * nb + b]));
-        store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sv, hv), 0xFFFF);
-        store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sv, hv), 0xFFFF);
-      }
-    }
+inline void dequantize_block(const uint8_t* q, int64_t format, uint32_t bits, float scale,
+                             float shift, T* o) {
+  using pagoda_simd::store16;
+  const __m512 sv = _mm512_set1_ps(scale), hv = _mm512_set1_ps(shift);
+  const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  if (format == kQ8_0) {
+    const __m512i second = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), sv, hv), 0xFFFF);
+    store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), sv, hv), 0xFFFF);
+    return;
   }
+  // elements 0..15 in the low nibbles, 16..31 in the high ones
+  __m512i lo = _mm512_and_si512(first, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(first, 4);
+  if (bits != 0u) or_fifth_bits(lo, hi, bits);
+  store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sv, hv), 0xFFFF);
+  store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sv, hv), 0xFFFF);
 }
 #elif defined(__AVX2__)
-using pagoda_simd::store8;
 template <typename T>
-void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, const int32_t* qh,
-                     int64_t format, T* out, int64_t nb, int64_t n0, int64_t n1) {
-  const int64_t bb = block_bytes(format);
-  const float offset = offset_of(format);
-  for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* q = qs + (n * nb + b) * bb;
-      const float scale = to_float(d[n * nb + b]);
-      const float shift = (m != nullptr ? to_float(m[n * nb + b]) : 0.f) - offset * scale;
-      const __m256 sv = _mm256_set1_ps(scale), hv = _mm256_set1_ps(shift);
-      T* o = out + (n * nb + b) * kBlock;
-      if (format == kQ8_0) {
-        for (int c = 0; c < 4; ++c) {
-          const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)));
-          store8(o + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), sv, hv));
-        }
-        continue;
-      }
-      for (int c = 0; c < 2; ++c) {
-        __m256i lo, hi;
-        nibbles8(q, c, lo, hi);
-        if (qh != nullptr) or_fifth_bits(lo, hi, static_cast<uint32_t>(qh[n * nb + b]), c);
-        store8(o + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), sv, hv));
-        store8(o + 16 + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), sv, hv));
-      }
+inline void dequantize_block(const uint8_t* q, int64_t format, uint32_t bits, float scale,
+                             float shift, T* o) {
+  using pagoda_simd::store8;
+  const __m256 sv = _mm256_set1_ps(scale), hv = _mm256_set1_ps(shift);
+  if (format == kQ8_0) {
+    for (int c = 0; c < 4; ++c) {
+      const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)));
+      store8(o + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), sv, hv));
     }
+    return;
+  }
+  for (int c = 0; c < 2; ++c) {
+    __m256i lo, hi;
+    nibbles8(q, c, lo, hi);
+    if (bits != 0u) or_fifth_bits(lo, hi, bits, c);
+    store8(o + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), sv, hv));
+    store8(o + 16 + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), sv, hv));
   }
 }
 #else
 template <typename T>
+inline void dequantize_block(const uint8_t* q, int64_t format, uint32_t bits, float scale,
+                             float shift, T* o) {
+  for (int64_t j = 0; j < 16; ++j) {
+    const int lo = format == kQ8_0 ? q[j] : (q[j] & 0x0F) | (((bits >> j) & 1) << 4);
+    const int hi = format == kQ8_0 ? q[j + 16] : (q[j] >> 4) | (((bits >> (j + 16)) & 1) << 4);
+    o[j] = static_cast<T>(std::fma(static_cast<float>(lo), scale, shift));
+    o[j + 16] = static_cast<T>(std::fma(static_cast<float>(hi), scale, shift));
+  }
+}
+#endif
+
+template <typename T>
 void dequantize_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, const int32_t* qh,
                      int64_t format, T* out, int64_t nb, int64_t n0, int64_t n1) {
   const int64_t bb = block_bytes(format);
   const float offset = offset_of(format);
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* q = qs + (n * nb + b) * bb;
-      const float scale = to_float(d[n * nb + b]);
-      const float shift = (m != nullptr ? to_float(m[n * nb + b]) : 0.f) - offset * scale;
-      T* o = out + (n * nb + b) * kBlock;
-      for (int64_t j = 0; j < 16; ++j) {
-        const uint32_t h = qh != nullptr ? static_cast<uint32_t>(qh[n * nb + b]) : 0u;
-        const int lo = format == kQ8_0 ? q[j] : (q[j] & 0x0F) | (((h >> j) & 1) << 4);
-        const int hi = format == kQ8_0 ? q[j + 16] : (q[j] >> 4) | (((h >> (j + 16)) & 1) << 4);
-        o[j] = static_cast<T>(std::fma(static_cast<float>(lo), scale, shift));
-        o[j + 16] = static_cast<T>(std::fma(static_cast<float>(hi), scale, shift));
-      }
+      const int64_t at = n * nb + b;
+      const float scale = to_float(d[at]);
+      const float shift = (m != nullptr ? to_float(m[at]) : 0.f) - offset * scale;
+      const uint32_t bits = qh != nullptr ? static_cast<uint32_t>(qh[at]) : 0u;
+      dequantize_block(qs + at * bb, format, bits, scale, shift, out + at * kBlock);
     }
   }
 }
-#endif
 
 #ifdef PAGODA_HAS_VNNI
 // ---- the dot products ------------------------------------------------------------
