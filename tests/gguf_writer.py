@@ -4,8 +4,8 @@ llama.py, qwen.py, gemma.py, phi.py, granite.py; keys, tensor names, q/k permuta
 Gemma's +1 norms, Phi-3's fused tensors, F32 norms and biases), with the folder's own
 byte-level BPE tokenizer as a "gpt2" vocabulary. What the converter leaves out (Gemma's
 query_pre_attn_scalar and window pattern, SmolLM3's NoPE layers) is left out here too.
-BERT embedding models as bert.py writes them: write_bert_gguf (its WordPiece vocabulary
-respelled as a "bert" one).
+BERT embedding models as bert.py writes them, Nomic BERT as its subclass does:
+write_bert_gguf (its WordPiece vocabulary respelled as a "bert" one).
 """
 
 from __future__ import annotations
@@ -356,15 +356,23 @@ def write_bert_gguf(
     pooling_type, or `pooling`), tensors under gguf-py's BERT names (its TensorNameMap,
     as the converter maps them; no pooler), 1-D tensors, norms, the position and
     token-type tables in F32, the other matrices in `qtype` ("F16", or a GGUF block
-    type such as "Q8_0")."""
+    type such as "Q8_0"). A Nomic BERT folder in Nomic's original spelling (see
+    nomic_folder(..., "original"); the converter reads that one) as "nomic-bert": n_ctx 2048
+    and the rotary base added, q/k/v fused as Wqkv is."""
     from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
     from gguf.quants import quantize
     from safetensors.torch import load_file
 
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
+    nomic = "n_embd" in cfg
+    if nomic:
+        cfg = {"max_position_embeddings": 2048, "hidden_size": cfg["n_embd"],
+               "intermediate_size": cfg["n_inner"], "num_hidden_layers": cfg["n_layer"],
+               "num_attention_heads": cfg["n_head"], "layer_norm_eps": cfg["layer_norm_epsilon"],
+               "type_vocab_size": cfg["type_vocab_size"], "rope_theta": cfg["rotary_emb_base"]}  # fmt: skip
     weights = load_file(os.path.join(folder, "model.safetensors"))
-    writer = GGUFWriter(path, "bert")
+    writer = GGUFWriter(path, "nomic-bert" if nomic else "bert")
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -372,11 +380,14 @@ def write_bert_gguf(
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_layer_norm_eps(cfg["layer_norm_eps"])
     writer.add_causal_attention(False)
+    if nomic:
+        writer.add_rope_freq_base(cfg["rope_theta"])
     pooling = _bert_pooling(folder) if pooling is None else pooling
     if pooling is not None:
-        writer.add_uint32("bert.pooling_type", pooling)
+        writer.add_uint32(f"{writer.arch}.pooling_type", pooling)
     _bert_vocab(writer, folder, cfg.get("type_vocab_size", 1))
-    names = get_tensor_name_map(MODEL_ARCH.BERT, cfg["num_hidden_layers"])
+    arch = MODEL_ARCH.NOMIC_BERT if nomic else MODEL_ARCH.BERT
+    names = get_tensor_name_map(arch, cfg["num_hidden_layers"])
     for hf_name, tensor in weights.items():
         hf_name = hf_name.removeprefix("bert.")
         if hf_name.startswith("pooler.") or hf_name.endswith("position_ids"):
@@ -401,3 +412,67 @@ def write_bert_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# transformers' NomicBertModel names -> Nomic's original ones (transformers'
+# conversion_mapping for nomic_bert, backwards); q/k/v are joined into Wqkv.
+_NOMIC_ORIGINAL = (
+    ("layers.", "encoder.layers."),
+    ("embeddings.LayerNorm.", "emb_ln."),
+    ("self_attn.o_proj.", "attn.out_proj."),
+    ("mlp.up_proj.", "mlp.fc11."),
+    ("mlp.gate_proj.", "mlp.fc12."),
+    ("mlp.down_proj.", "mlp.fc2."),
+    ("post_attention_layernorm.", "norm1."),
+    ("post_mlp_layernorm.", "norm2."),
+)
+
+
+def nomic_folder(folder: str, out: str, spelling: str) -> str:
+    """A copy of a Nomic BERT folder (sentence-transformers modules and all) with its
+    weights spelled `spelling`: "original", Nomic's as the Hub's nomic-embed-text holds
+    them (GPT-2's config names and its settings, Wqkv, fc11/fc12/fc2, norm1/norm2,
+    emb_ln; what transformers 5 itself saves, but with its config in transformers'
+    names), or "transformers", NomicBertModel's module names (q/k/v_proj, ...)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModel
+
+    weights = dict(AutoModel.from_pretrained(folder).state_dict())  # (transformers' names)
+    shutil.copytree(folder, out)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    if spelling == "original":
+        cfg = {
+            "architectures": ["NomicBertModel"], "model_type": "nomic_bert",
+            "auto_map": {"AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"},
+            "n_embd": cfg["hidden_size"], "n_layer": cfg["num_hidden_layers"],
+            "n_head": cfg["num_attention_heads"], "n_inner": cfg["intermediate_size"],
+            "n_positions": 8192, "max_trained_positions": 2048,  # (v1.5's, as llama.cpp expects)
+            "layer_norm_epsilon": cfg["layer_norm_eps"],
+            "rotary_emb_base": cfg["rope_parameters"]["rope_theta"], "vocab_size": cfg["vocab_size"],
+            "type_vocab_size": cfg["type_vocab_size"], "pad_token_id": cfg.get("pad_token_id"),
+            "activation_function": "swiglu", "prenorm": False, "causal": False,
+            "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "rotary_emb_scale_base": None,
+            "rotary_scaling_factor": None, "qkv_proj_bias": False, "mlp_fc1_bias": False,
+            "mlp_fc2_bias": False, "use_rms_norm": False, "parallel_block": False,
+        }  # fmt: skip
+        renamed, qkv = {}, {}
+        for name, w in weights.items():
+            for new, old in _NOMIC_ORIGINAL:  # (whole fragments: "layers." at a dot)
+                if name.startswith(new) or f".{new}" in name:
+                    name = name.replace(new, old, 1)
+            stem, found, part = name.rpartition(".self_attn.")
+            if found:
+                qkv.setdefault(stem, {})[part.split(".")[0]] = w
+            else:
+                renamed[name] = w
+        for stem, parts in qkv.items():
+            renamed[f"{stem}.attn.Wqkv.weight"] = torch.cat([parts[p] for p in ("q_proj", "k_proj", "v_proj")])  # fmt: skip
+        weights = renamed
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"))  # fmt: skip
+    return out

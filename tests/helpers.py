@@ -507,7 +507,7 @@ def make_encoder_tokenizer(folder: str, kind: str):
 
 
 def make_encoder(folder: str, arch: str, num_labels: int | None = None, **overrides) -> str:
-    """A tiny random encoder saved into folder: "bert" or "modernbert" (WordPiece) or
+    """A tiny random encoder saved into folder: "bert", "modernbert" or "nomic" (WordPiece) or
     "xlm-roberta" (Unigram); with `num_labels`, its cross-encoder
     (…ForSequenceClassification). ModernBERT's local layers see 4 tokens on either side,
     so prompts are longer than their window."""
@@ -528,6 +528,20 @@ def make_encoder(folder: str, arch: str, num_labels: int | None = None, **overri
         with torch.no_grad():  # norms start at one: random ones test more
             for name, p in model.named_parameters():
                 if "norm" in name:
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(folder)
+        return folder
+    if arch == "nomic":
+        config = t.NomicBertConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, max_position_embeddings=256, initializer_range=0.2,
+            pad_token_id=tokenizer.pad_token_id, **overrides,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = t.NomicBertModel(config)
+        with torch.no_grad():  # norms start at one: random ones test more
+            for name, p in model.named_parameters():
+                if "norm" in name.lower():
                     p.add_(0.1 * torch.randn_like(p))
         model.save_pretrained(folder)
         return folder

@@ -1,6 +1,6 @@
 """GGUF files of BERT embedding models as llama.cpp's converter writes them (all-MiniLM,
-bge, e5, ...; `general.architecture` bert): their config from llama.cpp's keys, their
-tensors under BertModel's names. BERT's tensors are written one to one, norms and
+bge, e5, ...; `general.architecture` bert; nomic-embed-text: nomic-bert): their config
+from llama.cpp's keys, their tensors under BertModel's (NomicBertModel's) names. BERT's tensors are written one to one, norms and
 biases in F32, the position and token-type tables always F32, the other matrices in
 the file's type (quantized blocks kept as blocks, as gguf_loader keeps a decoder's).
 The vocabulary's respelling is undone in gguf_tokenizer.py."""
@@ -25,15 +25,27 @@ _BERT_LAYER = {
     "ffn_down": "output.dense",
     "layer_output_norm": "output.LayerNorm",
 }
+# Nomic BERT: no position table (rotary), q/k/v fused, a gated MLP; pagoda's module names.
+_NOMIC_TOP = {k: v for k, v in _BERT_TOP.items() if k != "position_embd"}
+_NOMIC_LAYER = {
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_output_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.up_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_down": "mlp.down_proj",
+    "layer_output_norm": "post_mlp_layernorm",
+}
 # llama.cpp's pooling_type -> pagoda's pooling method. 0 (none: per-token states) and an
 # absent key leave the family's default, the [CLS] token; 4 (rank) is refused.
 _POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 
 
 def bert_config(meta) -> dict[str, Any]:
-    """A BERT embedding model's config from llama.cpp's keys; the table sizes from the
-    tables themselves (GGUF shapes list the row length first)."""
-    where = "GGUF bert file"
+    """A BERT (or Nomic BERT) embedding model's config from llama.cpp's keys; the table
+    sizes from the tables themselves (GGUF shapes list the row length first)."""
+    nomic = meta.arch == "nomic-bert"
+    where = f"GGUF {meta.arch} file"
     vocab_kind = meta.fields.get("tokenizer.ggml.model")
     if vocab_kind != "bert":
         raise ValueError(
@@ -41,13 +53,13 @@ def bert_config(meta) -> dict[str, Any]:
             "WordPiece vocabulary ('bert') is (RoBERTa's and XLM-R's conversions are not)."
         )
     if meta.get("attention.causal", False):
-        raise ValueError(f"{where}: bert.attention.causal is true; BERT attends both ways.")
-    if "blk.0.attn_qkv.weight" in meta.tensors:
+        raise ValueError(f"{where}: {meta.arch}.attention.causal is true; BERT attends both ways.")  # fmt: skip
+    if "blk.0.attn_qkv.weight" in meta.tensors and not nomic:
         raise ValueError(f"{where}: a fused attn_qkv is not supported (attn_q/k/v are).")
     pooling = int(meta.get("pooling_type", 0))
     if pooling not in (0, *_POOLING_TYPES):
         raise ValueError(
-            f"{where}: bert.pooling_type {pooling} is not supported (1 mean, 2 cls, 3 last"
+            f"{where}: {meta.arch}.pooling_type {pooling} is not supported (1 mean, 2 cls, 3 last"
             "; 4, rank, is a reranker's head)."
         )
 
@@ -73,17 +85,27 @@ def bert_config(meta) -> dict[str, Any]:
         ),
         "pad_token_id": meta.fields.get("tokenizer.ggml.padding_token_id", 0),
     }
+    if nomic:  # rotary positions, SwiGLU
+        config.update(
+            architectures=["NomicBertModel"],
+            model_type="nomic_bert",
+            hidden_act="silu",
+            max_position_embeddings=int(meta.get("context_length", 2048)),
+            rope_parameters={"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 1000.0))},
+        )  # fmt: skip
     if pooling:
         config["pooling_method"] = _POOLING_TYPES[pooling]
     return config
 
 
-def bert_name(name: str) -> str | None:
-    """BertModel's name for a tensor of llama.cpp's BERT, or None (not an encoder's)."""
+def bert_name(name: str, nomic: bool = False) -> str | None:
+    """BertModel's (with `nomic`, NomicBertModel's) name for a tensor of llama.cpp's
+    BERT, or None (not an encoder's)."""
     stem, _, suffix = name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        mapped = _BERT_LAYER.get(part)
-        return f"encoder.layer.{layer}.{mapped}.{suffix}" if mapped else None
-    mapped = _BERT_TOP.get(stem)
+        mapped = (_NOMIC_LAYER if nomic else _BERT_LAYER).get(part)
+        layers = "layers" if nomic else "encoder.layer"
+        return f"{layers}.{layer}.{mapped}.{suffix}" if mapped else None
+    mapped = (_NOMIC_TOP if nomic else _BERT_TOP).get(stem)
     return f"{mapped}.{suffix}" if mapped else None

@@ -10,7 +10,8 @@ What the converter changed, and is undone here, by architecture:
 - phi3: q/k/v and gate/up kept fused (the loader takes them apart);
 - deepseek2: kv_b_proj split into k_b (transposed) and v_b; MLA's sizes under
   *_mla keys; the key/value heads written as 1.
-- bert (an encoder: BertModel's names, its own config; see gguf_bert.py): nothing
+- bert, nomic-bert (encoders: BertModel's and NomicBertModel's names, their own config;
+  see gguf_bert.py): nothing
   changed in the weights; its WordPiece vocabulary respelled (gguf_tokenizer.py).
 """
 
@@ -301,7 +302,7 @@ def gguf_config(reader) -> dict[str, Any]:
     """The file's hyperparameters as a Hugging Face config. An architecture pagoda
     does not read comes back as "gguf:<name>" (refused by the caller, by name)."""
     meta = _Meta(reader)
-    if meta.arch == "bert":
+    if meta.arch in ("bert", "nomic-bert"):
         return bert_config(meta)
     arch = _ARCHS.get(meta.arch)
     if arch is None:
@@ -412,10 +413,15 @@ def iter_gguf_weights(
 
     reader = gguf_reader(path)
     model_type = hf_config["model_type"]
-    arch = None if model_type == "bert" else _ARCHS[model_type]  # (BERT's: bert_name)
+    encoder = model_type in ("bert", "nomic_bert")
+    arch = None if encoder else _ARCHS[model_type]  # (encoders': bert_name)
     k_b: dict[str, np.ndarray] = {}  # DeepSeek's k_b, until its v_b comes
     for tensor in reader.tensors:
-        name = bert_name(tensor.name) if arch is None else _hf_name(tensor.name, arch)
+        name = (
+            bert_name(tensor.name, model_type == "nomic_bert")
+            if encoder
+            else _hf_name(tensor.name, arch)
+        )
         if name is None:
             continue  # rope_freqs, rope_factors_*: read into the config
         order = _rope_order(name, hf_config) if arch and arch.permuted_qk else None

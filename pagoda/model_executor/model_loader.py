@@ -91,6 +91,10 @@ def _normalized(config: dict[str, Any]) -> dict[str, Any]:
     model_type = config.get("model_type")
     if not model_type:
         return config
+    if model_type == "nomic_bert":  # Nomic's original spelling, as transformers names it
+        from pagoda.model_executor.models.nomic_bert import native_config
+
+        config = native_config(config)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its notes on old-style fields are not ours to show
     try:

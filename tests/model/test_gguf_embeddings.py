@@ -14,7 +14,7 @@ import pytest
 
 from pagoda import LLM
 from pagoda.engine_args import EngineArgs
-from tests.gguf_writer import write_bert_gguf, write_bert_vocab_gguf
+from tests.gguf_writer import nomic_folder, write_bert_gguf, write_bert_vocab_gguf
 from tests.helpers import (
     ENCODER_TEXTS,
     make_encoder,
@@ -162,6 +162,53 @@ def test_gguf_bert_refusals_name_what_is_not_served(files, tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="tokenizer.ggml.model 'gpt2'"):
         EngineArgs(str(tmp_path / "roberta.gguf")).create_model_config()
+
+
+def test_nomic_bert_spellings_and_gguf_equal_sentence_transformers(tmp_path, monkeypatch):
+    """Nomic BERT (nomic-embed-text's architecture: rotary positions, SwiGLU, fused
+    q/k/v) against sentence-transformers on transformers' NomicBertModel: its folder in
+    transformers' names, in Nomic's original ones (GPT-2 config keys, Wqkv, fc11/fc12),
+    and the original as llama.cpp's converter writes it ("nomic-bert"), F32 and Q8_0
+    (kept as blocks, equal to its dequantized weights). Texts past 64 tokens turn every
+    rotary frequency."""
+    from sentence_transformers import SentenceTransformer
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    encoder = make_encoder(str(tmp_path / "nomic"), "nomic")
+    folder = make_sentence_transformer(str(tmp_path / "st"), encoder, "mean")
+    original = nomic_folder(folder, str(tmp_path / "original"), "original")
+    texts = TEXTS + ["the quick brown fox jumps over the lazy dog " * 8]
+    expected = SentenceTransformer(folder, device="cpu").encode(texts)
+    q8_0 = write_bert_gguf(str(tmp_path / "q8_0.gguf"), original, "Q8_0")
+    for path, bound in (
+        (folder, 0.999999),
+        (nomic_folder(folder, str(tmp_path / "transformers"), "transformers"), 0.999999),
+        (original, 0.999999),
+        (write_bert_gguf(str(tmp_path / "f32.gguf"), original), 0.999999),
+        (q8_0, 0.995),  # (the weights' rounding: a tiny random model's, exact below)
+    ):
+        llm = LLM(path, dtype="float32")
+        got = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+        assert cosines(got, expected).min() >= bound, path
+    assert set(quantized_modules(llm).values()) == {"q8_0"} and len(quantized_modules(llm)) == 13
+    expanded = LLM(q8_0, dtype="float32", quantization="none").embed(texts, use_tqdm=False)
+    np.testing.assert_allclose(got, [o.outputs.embedding for o in expanded], atol=1e-6)
+
+
+def test_nomic_bert_settings_it_does_not_compute_are_refused(tmp_path):
+    """An original config asking for what transformers' NomicBertModel does not compute
+    (interleaved rotary, pre-norm layers, biases) is refused by the setting's name."""
+    import json
+
+    encoder = make_encoder(str(tmp_path / "nomic"), "nomic")
+    original = nomic_folder(encoder, str(tmp_path / "original"), "original")
+    with open(os.path.join(original, "config.json")) as f:
+        config = json.load(f)
+    for key, value in (("rotary_emb_interleaved", True), ("prenorm", True), ("qkv_proj_bias", True)):  # fmt: skip
+        with open(os.path.join(original, "config.json"), "w") as f:
+            json.dump({**config, key: value}, f)
+        with pytest.raises(ValueError, match=f"{key}=True is not supported"):
+            EngineArgs(original).create_model_config()
 
 
 @pytest.mark.slow

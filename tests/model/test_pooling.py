@@ -38,7 +38,9 @@ def folders(tmp_path_factory):
     bert = make_encoder(str(root / "bert"), "bert")
     xlmr = make_encoder(str(root / "xlmr"), "xlm-roberta")
     modernbert = make_encoder(str(root / "modernbert"), "modernbert")
+    nomic = make_encoder(str(root / "nomic"), "nomic")
     return {
+        "nomic-cls": make_sentence_transformer(str(root / "st5"), nomic, "cls"),
         "modernbert-mean": make_sentence_transformer(str(root / "st4"), modernbert, "mean"),
         "bert-mean-dense": make_sentence_transformer(str(root / "st1"), bert, "mean", dense=32),
         "bert-cls-raw": make_sentence_transformer(str(root / "st2"), bert, "cls", normalize=False),
@@ -51,7 +53,7 @@ def folders(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name", ["bert-mean-dense", "bert-cls-raw", "xlmr-mean", "modernbert-mean"]
+    "name", ["bert-mean-dense", "bert-cls-raw", "xlmr-mean", "modernbert-mean", "nomic-cls"]
 )
 def test_embeddings_equal_sentence_transformers(folders, name):
     from sentence_transformers import SentenceTransformer

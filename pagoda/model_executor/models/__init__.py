@@ -53,6 +53,7 @@ ARCHITECTURES = {
     # Encoders (embeddings), and with a classifier head (cross-encoders: scores).
     "BertModel": ("bert", "BertModel"),
     "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "NomicBertModel": ("nomic_bert", "NomicBertModel"),
     "RobertaModel": ("bert", "RobertaModel"),
     "XLMRobertaModel": ("bert", "RobertaModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
@@ -81,6 +82,7 @@ NEEDS = {
     ),
     "BertModel": {BIDIRECTIONAL},
     "ModernBertModel": {BIDIRECTIONAL},
+    "NomicBertModel": {BIDIRECTIONAL},
     "RobertaModel": {BIDIRECTIONAL},
     "XLMRobertaModel": {BIDIRECTIONAL},
     "BertForSequenceClassification": {BIDIRECTIONAL, CLASSIFIER},
