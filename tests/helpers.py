@@ -36,7 +36,7 @@ from pagoda import LLM, SamplingParams
 # import them from here as before.
 from pagoda.eval.hf_agreement import QUESTIONS as QUESTIONS
 from pagoda.eval.hf_agreement import agreement_with_hf_steps as agreement_with_hf_steps
-from pagoda.eval.hf_agreement import load_hf as load_hf
+from pagoda.eval.hf_agreement import load_hf as _load_hf
 
 if TYPE_CHECKING:
     from pagoda import LLMEngine
@@ -64,7 +64,7 @@ CHAT_TEMPLATE = (
 
 EOS_ID = 2
 
-# The perplexity gates score the shipped text's first half (about 3,000 tokens, 11
+# The perplexity gates score the shipped text's first half (about 3,000 tokens, 6
 # windows of 512): the whole text cost CI over a minute a gate, and a weight format's
 # or KV cache's cost shows alike on either half.
 GATE_CHARS = 13_000
@@ -310,6 +310,53 @@ def minilm_folder() -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return os.path.join(spec.submodule_search_locations[0], "model")
+
+
+@functools.cache
+def _hf_float32(gguf_path: str):
+    """transformers reads a GGUF file's fields twice and builds gguf's tensor-name map
+    anew for every tensor (about 20 s for SmolLM2's file, most of it that); here each
+    happens once a load."""
+    import gguf
+
+    name_map, reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    readers = {}
+
+    def read_once(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.get_tensor_name_map, gguf.GGUFReader = functools.cache(name_map), read_once
+    try:
+        return _load_hf(gguf_path, torch.float32)
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = name_map, reader
+
+
+def load_hf(gguf_path: str, dtype: torch.dtype):
+    """transformers' model for a GGUF file in `dtype`: read once a session (transformers
+    takes about 20 s to read one), a copy for each caller (PEFT adapts it in place); the
+    float32 weights cast, as transformers casts what it dequantizes."""
+    import copy
+
+    return copy.deepcopy(_hf_float32(gguf_path)).to(dtype)
+
+
+@functools.cache
+def gate_perplexity(**engine) -> float:
+    """The perplexity gates' figure: SmolLM2 (the shipped file; `engine` overrides) on the
+    shipped text's first GATE_CHARS, windows of 512 tokens without overlap, prompts in
+    chunks of 128 so that attention reads earlier chunks from the KV cache. dtype "auto"
+    (bf16 where the CPU has it natively; float32 elsewhere, where bf16 is emulated and
+    twice as slow). Cached: gates that share a baseline compute it once."""
+    from pagoda.eval.perplexity import HELDOUT_TEXT, perplexity
+
+    with open(HELDOUT_TEXT, encoding="utf-8") as f:
+        text = f.read()[:GATE_CHARS]
+    base = dict(model=smollm2_gguf(), dtype="auto", max_num_batched_tokens=128)
+    return perplexity({**base, **engine}, text, 512, 512, use_tqdm=False).perplexity
 
 
 def smollm2_gguf() -> str | None:

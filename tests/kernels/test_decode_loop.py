@@ -8,6 +8,7 @@ successive positions)."""
 from __future__ import annotations
 
 import pytest
+from transformers import AutoTokenizer
 
 from pagoda import LLM, SamplingParams
 from pagoda.ops import cpu
@@ -38,7 +39,7 @@ def run(model: str, prompts, enforce_eager: bool, **kwargs):
 # 37: past every one, padded to 40
 @pytest.mark.parametrize("batch", [1, 12, 37])
 def test_decode_loop_equals_eager(tiny_models, arch, kwargs, batch):
-    prompts = tiny_prompts(LLM(tiny_models[arch]).get_tokenizer(), batch, seed=batch)
+    prompts = tiny_prompts(AutoTokenizer.from_pretrained(tiny_models[arch]), batch, seed=batch)
     max_rows, got = run(tiny_models[arch], prompts, False, **kwargs)
     assert max_rows == cpu.DECODE_LOOP_MAX_ROWS
     _, want = run(tiny_models[arch], prompts, True, **kwargs)
@@ -75,7 +76,7 @@ def test_the_loop_pads_rows_as_python_does():
 
 
 def test_decode_loop_with_speculative_drafts(tiny_llama):
-    prompts = tiny_prompts(LLM(tiny_llama).get_tokenizer(), 3, seed=9)
+    prompts = tiny_prompts(AutoTokenizer.from_pretrained(tiny_llama), 3, seed=9)
     prompts = [p + p[:16] for p in prompts]  # repeated text: n-gram drafts
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     kwargs = {"dtype": "float32", "speculative_config": spec}
@@ -125,7 +126,7 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 )
 @pytest.mark.parametrize("batch", [1, 5, 37])  # 37: some experts past their small kernels
 def test_decode_loop_runs_moe_layers_as_eager(moe_models, arch, kwargs, batch):
-    prompts = tiny_prompts(LLM(moe_models[arch]).get_tokenizer(), batch, seed=batch)
+    prompts = tiny_prompts(AutoTokenizer.from_pretrained(moe_models[arch]), batch, seed=batch)
     used, got = run(moe_models[arch], prompts, False, **kwargs)
     assert used == cpu.DECODE_LOOP_MAX_ROWS
     _, want = run(moe_models[arch], prompts, True, **kwargs)
