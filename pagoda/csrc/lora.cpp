@@ -12,7 +12,8 @@
 // rows: each loaded chunk of A serves up to 4 rows of x) into a float32 scratch, then
 // the expand (row tile x 64 columns), added to y with one rounding. With bf16 x and
 // weights both passes use AVX512-BF16 dot products (the expand rounds the shrink's
-// output to bf16 pairs, as a bf16 GEMM would); otherwise float32 FMAs. Rank rows past
+// output to bf16 pairs, as a bf16 GEMM would); otherwise float32 FMAs (16 lanes on
+// AVX512; 8 on AVX2, bf16 widened as it loads, smaller register tiles). Rank rows past
 // a slot's own rank are never read, so a low-rank adapter, or one that skips a module,
 // costs its own bytes, not the slot's. At a few rows this is a stream of the adapter's
 // weights (SmolLM2 at rank 16 on every linear: 9.8 MB in bf16).
@@ -42,8 +43,15 @@ struct ColChunk {
   int64_t slice, col0, col1;
 };
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PAGODA_LORA_ADD 1
+#endif
+
 #if defined(__AVX512F__)
 using namespace pagoda_simd;
+
+// Rows of a tile the shrink and the expand take at once (their accumulators in registers).
+constexpr int64_t kShrinkRows = 4, kExpandRows = kRowTile;
 
 // Tile sizes are template arguments, so that the accumulators stay in registers.
 template <int64_t ROWS, int64_t NR, typename XT, typename WT>
@@ -91,40 +99,6 @@ void shrink_tile(const at::BFloat16* x, int64_t K, const at::BFloat16* a, const 
       s[(t.s_row0 + i) * s_stride + r0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 #endif
-
-template <int64_t ROWS, typename XT, typename WT>
-void shrink_rows(const XT* x, int64_t K, const WT* a, const Tile& t, int64_t r0, int64_t nr,
-                 float* s, int64_t s_stride) {
-  switch (nr) {
-    case 1: return shrink_tile<ROWS, 1>(x, K, a, t, r0, s, s_stride);
-    case 2: return shrink_tile<ROWS, 2>(x, K, a, t, r0, s, s_stride);
-    case 3: return shrink_tile<ROWS, 3>(x, K, a, t, r0, s, s_stride);
-    default: return shrink_tile<ROWS, kRankTile>(x, K, a, t, r0, s, s_stride);
-  }
-}
-
-// A tile's rows in register-sized pieces of `max` rows, then halves: 7 rows = 4 + 2 + 1.
-template <typename F>
-void in_pieces(const Tile& t, int64_t max, F&& piece) {
-  for (int64_t done = 0; done < t.rows;) {
-    int64_t rows = max;
-    while (rows > t.rows - done) rows /= 2;
-    piece(Tile{t.row0 + done, rows, t.slot, t.s_row0 + done});
-    done += rows;
-  }
-}
-
-template <typename XT, typename WT>
-void shrink(const XT* x, int64_t K, const WT* a, const Tile& t, int64_t r0, int64_t nr, float* s,
-            int64_t s_stride) {
-  in_pieces(t, 4, [&](const Tile& p) {  // 4 rows x 4 ranks: 16 accumulators
-    switch (p.rows) {
-      case 1: return shrink_rows<1>(x, K, a, p, r0, nr, s, s_stride);
-      case 2: return shrink_rows<2>(x, K, a, p, r0, nr, s, s_stride);
-      default: return shrink_rows<4>(x, K, a, p, r0, nr, s, s_stride);
-    }
-  });
-}
 
 template <int64_t ROWS, typename YT, typename WT>
 void expand_rows(YT* y, int64_t y_stride, const WT* b, int64_t N, const Tile& t, const float* s,
@@ -191,16 +165,117 @@ void expand_rows(YT* y, int64_t y_stride, const at::BFloat16* b, int64_t N, cons
   }
 }
 #endif
+#elif defined(PAGODA_LORA_ADD)  // AVX2
+using namespace pagoda_simd;
+
+// 16 registers: 2 rows x 4 ranks in the shrink, 4 rows x 16 columns in the expand.
+constexpr int64_t kShrinkRows = 2, kExpandRows = 4;
+
+// n values from p (fewer than 8 at a tail), the rest zero; and back.
+template <typename T>
+__m256 load_part(const T* p, int64_t n) {
+  if (n >= 8) return load8(p);
+  float part[8] = {};
+  for (int64_t i = 0; i < n; ++i) part[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(part);
+}
+
+template <typename T>
+void store_part(T* p, __m256 v, int64_t n) {
+  if (n >= 8) return store8(p, v);
+  float part[8];
+  _mm256_storeu_ps(part, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(part[i]);
+}
+
+template <int64_t ROWS, int64_t NR, typename XT, typename WT>
+void shrink_tile(const XT* x, int64_t K, const WT* a, const Tile& t, int64_t r0, float* s,
+                 int64_t s_stride) {
+  __m256 acc[ROWS][NR];
+  for (int64_t i = 0; i < ROWS; ++i)
+    for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xv[ROWS];
+    for (int64_t i = 0; i < ROWS; ++i) xv[i] = load_part(x + (t.row0 + i) * K + k, K - k);
+    for (int64_t j = 0; j < NR; ++j) {
+      const __m256 av = load_part(a + (r0 + j) * K + k, K - k);
+      for (int64_t i = 0; i < ROWS; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], av, acc[i][j]);
+    }
+  }
+  for (int64_t i = 0; i < ROWS; ++i)
+    for (int64_t j = 0; j < NR; ++j) s[(t.s_row0 + i) * s_stride + r0 + j] = sum8(acc[i][j]);
+}
+
+template <int64_t ROWS, typename YT, typename WT>
+void expand_rows(YT* y, int64_t y_stride, const WT* b, int64_t N, const Tile& t, const float* s,
+                 int64_t s_stride, int64_t rank, int64_t col0, int64_t col1) {
+  // y[row][col0:col1] += sum_r s[row][r] * b[r][col0:col1], 16 columns at a time.
+  for (int64_t c = col0; c < col1; c += 16) {
+    const int64_t n0 = col1 - c, n1 = col1 - c - 8;
+    __m256 acc[ROWS][2];
+    for (int64_t i = 0; i < ROWS; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rank; ++r) {
+      const __m256 b0 = load_part(b + r * N + c, n0);
+      const __m256 b1 = n1 > 0 ? load_part(b + r * N + c + 8, n1) : _mm256_setzero_ps();
+      for (int64_t i = 0; i < ROWS; ++i) {
+        const __m256 sv = _mm256_set1_ps(s[(t.s_row0 + i) * s_stride + r]);
+        acc[i][0] = _mm256_fmadd_ps(sv, b0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(sv, b1, acc[i][1]);
+      }
+    }
+    for (int64_t i = 0; i < ROWS; ++i) {
+      YT* out = y + (t.row0 + i) * y_stride + c;
+      store_part(out, _mm256_add_ps(load_part(out, n0), acc[i][0]), n0);
+      if (n1 > 0) store_part(out + 8, _mm256_add_ps(load_part(out + 8, n1), acc[i][1]), n1);
+    }
+  }
+}
+#endif
+
+#if defined(PAGODA_LORA_ADD)
+template <int64_t ROWS, typename XT, typename WT>
+void shrink_rows(const XT* x, int64_t K, const WT* a, const Tile& t, int64_t r0, int64_t nr,
+                 float* s, int64_t s_stride) {
+  switch (nr) {
+    case 1: return shrink_tile<ROWS, 1>(x, K, a, t, r0, s, s_stride);
+    case 2: return shrink_tile<ROWS, 2>(x, K, a, t, r0, s, s_stride);
+    case 3: return shrink_tile<ROWS, 3>(x, K, a, t, r0, s, s_stride);
+    default: return shrink_tile<ROWS, kRankTile>(x, K, a, t, r0, s, s_stride);
+  }
+}
+
+// A tile's rows in register-sized pieces of `max` rows, then halves: 7 rows = 4 + 2 + 1.
+template <typename F>
+void in_pieces(const Tile& t, int64_t max, F&& piece) {
+  for (int64_t done = 0; done < t.rows;) {
+    int64_t rows = max;
+    while (rows > t.rows - done) rows /= 2;
+    piece(Tile{t.row0 + done, rows, t.slot, t.s_row0 + done});
+    done += rows;
+  }
+}
+
+template <typename XT, typename WT>
+void shrink(const XT* x, int64_t K, const WT* a, const Tile& t, int64_t r0, int64_t nr, float* s,
+            int64_t s_stride) {
+  in_pieces(t, kShrinkRows, [&](const Tile& p) {  // rows x 4 ranks of accumulators
+    switch (p.rows) {
+      case 1: return shrink_rows<1>(x, K, a, p, r0, nr, s, s_stride);
+      case 2: return shrink_rows<2>(x, K, a, p, r0, nr, s, s_stride);
+      default: return shrink_rows<kShrinkRows>(x, K, a, p, r0, nr, s, s_stride);
+    }
+  });
+}
 
 template <typename YT, typename WT>
 void expand(YT* y, int64_t y_stride, const WT* b, int64_t N, const Tile& t, const float* s,
             int64_t s_stride, int64_t rank, int64_t col0, int64_t col1) {
-  in_pieces(t, kRowTile, [&](const Tile& p) {  // each loaded chunk of B serves 8 rows
+  in_pieces(t, kExpandRows, [&](const Tile& p) {  // each loaded chunk of B serves them all
     switch (p.rows) {
       case 1: return expand_rows<1>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
       case 2: return expand_rows<2>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
       case 4: return expand_rows<4>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
-      default: return expand_rows<8>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
+      default: return expand_rows<kExpandRows>(y, y_stride, b, N, p, s, s_stride, rank, col0, col1);
     }
   });
 }
@@ -261,7 +336,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tens
 // place; x [T, K] (float32 or bf16). See the top of the file for the other arguments.
 void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks,
               std::vector<int64_t> slice_offsets, at::Tensor segments) {
-#if defined(__AVX512F__)
+#if defined(PAGODA_LORA_ADD)
   TORCH_CHECK(a.dim() == 4 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
               "lora_add: a must be [L, S, R, K] and b [L, R, N]");
   TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
@@ -318,12 +393,12 @@ void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor
   else if (wf) run<BF, BF, float>(y, x, a, b, rk, slice_offsets, tiles, num_rows);
   else run<BF, BF, BF>(y, x, a, b, rk, slice_offsets, tiles, num_rows);
 #else
-  TORCH_CHECK(false, "lora_add: built without AVX-512");
+  TORCH_CHECK(false, "lora_add: built without AVX-512 or AVX2");
 #endif
 }
 
 bool lora_add_available() {
-#if defined(__AVX512F__)
+#if defined(PAGODA_LORA_ADD)
   return true;
 #else
   return false;
