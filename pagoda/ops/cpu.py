@@ -129,7 +129,7 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 # SmolLM2's 30 q4_1 layers (Sapphire Rapids, 2 threads): 3.2 ms at one row, 20 ms at
 # 16 rows either way, then 39 vs 22 ms at 32.
 QUANT_LINEAR_MAX_ROWS = 16
-CPU_FLAGS = ("amx_tile", "amx_int8", "amx_bf16", "avx512_bf16", "avx512_vnni")
+CPU_FLAGS = ("amx_tile", "amx_int8", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx_vnni")
 
 
 @functools.cache
@@ -152,9 +152,14 @@ def cpu_flags() -> dict[str, bool]:
 # 128 rows, 144 vs 140 at 512, 487 vs 215 at 2,048. Without AMX, oneDNN's integer GEMM
 # (VNNI) stays ahead at every size: 1.4-1.9x bf16's GFLOP/s at 64 to 4,096 rows on
 # 384x1536, 1536x384 and 6144x2048 weights (AMD EPYC, 2 threads; benchmarks/w8a8_gemm.py),
-# so it runs them all.
+# so it runs them all. With neither VNNI nor AMX (AVX2 alone) oneDNN's integer GEMM is
+# 23x slower than float32's (8192x768x768: 3.9 against 90 GFLOP/s, AMD EPYC of the Zen 3
+# class, 2 threads): past the small kernel the weight is dequantized there.
 INT8_SMALL_MAX_ROWS = 8
-W8A8_INT_MAX_ROWS = 256 if cpu_flags()["amx_tile"] else 1 << 62
+_FAST_INT8_GEMM = cpu_flags()["avx512_vnni"] or cpu_flags()["avx_vnni"] or cpu_flags()["amx_int8"]
+W8A8_INT_MAX_ROWS = (
+    256 if cpu_flags()["amx_tile"] else 1 << 62 if _FAST_INT8_GEMM else INT8_SMALL_MAX_ROWS
+)
 # Of each adapter segment, the most rows that are a multiple of this go to oneDNN's GEMMs
 # (so they see at most max_num_batched_tokens / 512 distinct M, each of which oneDNN keeps
 # a kernel for, and the expand adds into y in place), and the rest (every segment of a
