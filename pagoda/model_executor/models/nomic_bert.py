@@ -13,6 +13,7 @@ q/k/v and gate/up are held fused (one product each), as a GGUF file holds q/k/v.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -97,17 +98,16 @@ _PARTS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+_NUM_PARTS = Counter(fused for fused, _ in _PARTS.values())  # fused -> how many parts
 
 
 class NomicBertLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], ops: Ops, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: dict[str, Any], ops: Ops) -> None:
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12)
         self.num_heads = cfg["num_attention_heads"]
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         inner = self.num_heads * self.head_dim
-        self.rotary = [rotary]  # (a list: shared by every layer, not a submodule of each)
         self.self_attn = nn.Module()
         self.self_attn.qkv_proj = Linear(hidden, 3 * inner, False, ops)
         self.self_attn.o_proj = Linear(inner, hidden, False, ops)
@@ -117,11 +117,13 @@ class NomicBertLayer(nn.Module):
         self.mlp.down_proj = Linear(cfg["intermediate_size"], hidden, False, ops)
         self.post_mlp_layernorm = nn.LayerNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         qkv = self.self_attn.qkv_proj(x)
         qk, v = qkv.split([2 * H * D, H * D], dim=-1)
-        q, k = self.rotary[0](positions, qk.view(T, 2 * H, D)).split([H, H], dim=1)
+        q, k = rotary(positions, qk.view(T, 2 * H, D)).split([H, H], dim=1)
         attn = bidirectional_attention(q, k, v.view(T, H, D)).reshape(T, H * D)
         x = self.post_attention_layernorm(x + self.self_attn.o_proj(attn))
         gate, up = self.mlp.gate_up_proj(x).chunk(2, dim=-1)
@@ -149,7 +151,7 @@ class NomicBertModel(nn.Module):
             cfg.get("head_dim") or hidden // heads, positions, params, positions, ops
         )
         self.layers = nn.ModuleList(
-            NomicBertLayer(cfg, ops, self.rotary) for _ in range(cfg["num_hidden_layers"])
+            NomicBertLayer(cfg, ops) for _ in range(cfg["num_hidden_layers"])
         )
         self.dtype = torch.float32  # the activations' (set by load_weights)
         self.takes_token_types = cfg.get("type_vocab_size", 2) > 1
@@ -161,7 +163,7 @@ class NomicBertModel(nn.Module):
         x = emb.word_embeddings(input_ids) + emb.token_type_embeddings(token_type_ids)
         x = emb.LayerNorm(x).to(self.dtype)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, positions, self.rotary)  # one table, every layer
         return x
 
     def build_decode_loop(self) -> int:
@@ -193,7 +195,7 @@ class NomicBertModel(nn.Module):
                 pending.setdefault(key, {})[index] = w
                 if len(pending[key]) == _NUM_PARTS[fused]:
                     arrived = pending.pop(key)
-                    yield key, _cat([arrived[i] for i in range(len(arrived))], dtype)
+                    yield key, _cat([arrived[i] for i in sorted(arrived)], dtype)
 
         load_by_name(self, named(), dtype)
 
