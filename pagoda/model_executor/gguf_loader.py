@@ -25,33 +25,28 @@ import numpy as np
 import torch
 
 from pagoda.model_executor.gguf_bert import bert_config, bert_name
+from pagoda.model_executor.gguf_file import GGUFFile
 from pagoda.model_executor.quantization import GGUF_PLAIN_TYPES, QuantizedWeight, from_gguf
 
 
-def gguf_reader(path: str):
-    """A parse of the file (memory-mapped). Not kept: its metadata objects alone take
-    about 150 MiB for a 49k-token vocabulary, so the config and the weights each parse
-    and let go (about a second each)."""
-    from gguf import GGUFReader
-
+def gguf_reader(path: str) -> GGUFFile:
+    """A parse of the file's header, its tensors mapped. Not kept: the config and the
+    weights each read it (a fraction of a second even for a large vocabulary)."""
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the gguf package raises assorted errors on bad files
+        return GGUFFile(path)
+    except Exception as e:  # a bad file fails in assorted ways
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
 
 
-def _fields(reader) -> dict[str, Any]:
-    out = {}
-    for key, value in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(
-            ("tokens", "token_type", "merges", "scores")
-        ):
-            continue  # large arrays the tokenizer loader reads itself
-        try:
-            out[key] = value.contents()
-        except Exception:
-            continue
-    return out
+_TOKENIZER_ARRAYS = ("tokens", "token_type", "merges", "scores")
+
+
+def _fields(reader: GGUFFile) -> dict[str, Any]:
+    return {  # less the vocabulary's large arrays, which the tokenizer loader reads itself
+        key: value
+        for key, value in reader.fields.items()
+        if not (key.startswith("tokenizer.ggml.") and key.endswith(_TOKENIZER_ARRAYS))
+    }
 
 
 # ---- names --------------------------------------------------------------------------
@@ -311,9 +306,7 @@ def gguf_config(reader) -> dict[str, Any]:
     hidden = int(meta.get("embedding_length"))
     embed = meta.tensors.get("token_embd.weight")
     vocab = meta.get("vocab_size") or (
-        int(embed.shape[-1])
-        if embed is not None
-        else len(reader.fields["tokenizer.ggml.tokens"].data)
+        int(embed.shape[-1]) if embed is not None else len(reader.fields["tokenizer.ggml.tokens"])
     )
     rope: dict[str, Any] = {
         "rope_type": "default",
@@ -453,9 +446,7 @@ def iter_gguf_weights(
             raise ValueError(
                 f"GGUF {path!r}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {e}"
             ) from e
-        w = np.array(
-            w.reshape(tuple(reversed(tensor.shape.tolist()))), dtype=np.float32
-        )  # owned, writable
+        w = np.array(w.reshape(tuple(reversed(tensor.shape))), dtype=np.float32)  # owned, writable
         if order is not None:
             w = w[order]
         if stacked:

@@ -14,7 +14,7 @@ followed here.)
 
 from __future__ import annotations
 
-import struct
+from pagoda.model_executor.gguf_file import GGUFFile
 
 _PHANTOM = "\u2581"
 # gguf.TokenType
@@ -23,56 +23,10 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 _CASED_SHARE = 0.01
 
 
-def gguf_string_field(path: str, key: str) -> str | None:
-    """One string of a GGUF file's metadata, read from its header alone (the tokenizer's
-    kind is written before its vocabulary: nothing large is parsed), or None."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF" or _unpack(f, "<I") < 2:
-                return None  # (version 1, of 2023, counted in 32 bits)
-            _unpack(f, "<Q")  # tensors
-            for _ in range(_unpack(f, "<Q")):
-                name = _read_string(f)
-                kind = _unpack(f, "<I")
-                if name == key:
-                    return _read_string(f) if kind == _STRING else None
-                _skip(f, kind)
-    except (OSError, struct.error, UnicodeDecodeError, KeyError):
-        return None
-    return None
-
-
-_STRING, _ARRAY = 8, 9
-_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # gguf value types
-
-
-def _unpack(f, fmt: str) -> int:
-    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-
-def _read_string(f) -> str:
-    return f.read(_unpack(f, "<Q")).decode("utf-8")
-
-
-def _skip(f, kind: int) -> None:
-    if kind == _STRING:
-        f.seek(_unpack(f, "<Q"), 1)
-    elif kind == _ARRAY:
-        item, count = _unpack(f, "<I"), _unpack(f, "<Q")
-        if item in _SIZES:
-            f.seek(_SIZES[item] * count, 1)
-        else:
-            for _ in range(count):
-                _skip(f, item)
-    else:
-        f.seek(_SIZES[kind], 1)
-
-
 def wordpiece_tokenizer(path: str):
     """The Hugging Face tokenizer of a GGUF file's BERT vocabulary: BertNormalizer
     (lowercasing as inferred), BertPreTokenizer, WordPiece ("##" continuations, the
     file's unknown token), [CLS] A [SEP] and [CLS] A [SEP] B [SEP] (B of token type 1)."""
-    from gguf import GGUFReader
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -84,11 +38,10 @@ def wordpiece_tokenizer(path: str):
     )
     from transformers import PreTrainedTokenizerFast
 
-    reader = GGUFReader(path)
+    fields = GGUFFile(path).fields
 
     def field(key: str):
-        value = reader.fields.get(f"tokenizer.ggml.{key}")
-        return None if value is None else value.contents()
+        return fields.get(f"tokenizer.ggml.{key}")
 
     tokens, kinds = list(field("tokens") or ()), list(field("token_type") or ())
     if not tokens or len(kinds) != len(tokens):

@@ -67,9 +67,10 @@ def load_tokenizer(path: str, is_gguf: bool):
 
 
 def _gguf_tokenizer(path: str):
-    from pagoda.model_executor.gguf_tokenizer import gguf_string_field, wordpiece_tokenizer
+    from pagoda.model_executor.gguf_file import string_field
+    from pagoda.model_executor.gguf_tokenizer import wordpiece_tokenizer
 
-    if gguf_string_field(path, "tokenizer.ggml.model") == "bert":
+    if string_field(path, "tokenizer.ggml.model") == "bert":
         return wordpiece_tokenizer(path)  # (BERT's respelled WordPiece: not transformers')
     from transformers import AutoTokenizer
 
