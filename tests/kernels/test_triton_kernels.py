@@ -297,8 +297,9 @@ def test_write_kv(dtype):
 def test_engine_on_the_triton_backend_matches_the_torch_one(tiny_llama):
     """kernel_backend "triton" (the GPU's: Triton attention over the paged cache, its
     norm and rotary kernels) gives the PyTorch backend's tokens, greedy and seeded in
-    float32, through chunked prefill, decode, prefix-cache hits and preemption. Here
-    on the CPU in Triton's interpreter; on a GPU the same test runs there."""
+    float32, through chunked prefill, decode, prefix-cache hits (the seeded run's
+    prompts are the greedy run's) and preemption. Here on the CPU in Triton's
+    interpreter; on a GPU the same test runs there."""
     from transformers import AutoTokenizer
 
     from pagoda import LLM, SamplingParams
@@ -315,12 +316,11 @@ def test_engine_on_the_triton_backend_matches_the_torch_one(tiny_llama):
             kv_cache_memory_bytes=24 * 8192, max_num_batched_tokens=64, enforce_eager=True,
         )  # fmt: skip
         inputs = [{"prompt_token_ids": p} for p in prompts]
-        runs = [llm.generate(inputs, params, use_tqdm=False) for params in (greedy, seeded, greedy)]
+        runs = [llm.generate(inputs, params, use_tqdm=False) for params in (greedy, seeded)]
         stats = llm.llm_engine.get_stats()
         assert stats.num_preemptions > 0 and stats.kv_cache.prefix_cache_hits > 0
         outputs[backend] = [[[c.token_ids for c in o.outputs] for o in run] for run in runs]
     assert outputs["triton"] == outputs["torch"]
-    assert outputs["triton"][2] == outputs["triton"][0]  # the cached pass
 
 
 def test_windowed_softcapped_family_on_the_triton_backend(tmp_path):
