@@ -17,8 +17,17 @@ blocks stored and evicted; see prefix_table.py).
     app.py           the HTTP app: relaying, retries, health checks; run_router
 """
 
-from pagoda.entrypoints.router.app import build_app, run_router
+import importlib
+
 from pagoda.entrypoints.router.config import POLICIES, RouterConfig
-from pagoda.entrypoints.router.policy import Router
 
 __all__ = ["POLICIES", "Router", "RouterConfig", "build_app", "run_router"]
+# The HTTP app and the policy on first use: the CLI reads config.py's POLICIES for its
+# flags, and every command would otherwise pay for FastAPI's import (0.8 s).
+_LAZY = {"build_app": "app", "run_router": "app", "Router": "policy"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
