@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagoda.model_executor.layers.attention import Attention
@@ -25,7 +26,7 @@ from pagoda.model_executor.layers.fused_moe import FusedMoE
 from pagoda.model_executor.layers.linear import Embedding
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
 from pagoda.model_executor.quantization import PER_CHANNEL, StackedWeight
-from pagoda.ops.cpu import QUANT_LINEAR_MAX_ROWS, W8A8_INT_MAX_ROWS
+from pagoda.ops.cpu import W8A8_INT_MAX_ROWS, quant_linear_max_rows
 
 FLOAT_PATHS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
@@ -175,7 +176,9 @@ def int8_max_rows(weight_format: str | None, model_config, ops_backend: str) -> 
         return 0
     if model_config.batch_invariant:  # integer products at every row count
         return 1 << 62
-    return W8A8_INT_MAX_ROWS if weight_format == PER_CHANNEL else QUANT_LINEAR_MAX_ROWS
+    if weight_format == PER_CHANNEL:
+        return W8A8_INT_MAX_ROWS
+    return quant_linear_max_rows(getattr(torch, model_config.dtype))
 
 
 # ---- the engine's steps, timed ----------------------------------------------------------

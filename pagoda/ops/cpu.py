@@ -127,8 +127,21 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 # Up to this many rows, quantized linears run on the blocks (int8 activations); past it
 # the weight is dequantized and oneDNN's GEMM runs on it. The crossover, measured on
 # SmolLM2's 30 q4_1 layers (Sapphire Rapids, 2 threads): 3.2 ms at one row, 20 ms at
-# 16 rows either way, then 39 vs 22 ms at 32.
+# 16 rows either way, then 39 vs 22 ms at 32: bf16's GEMM (AMX, or AVX512-BF16) outruns
+# the integer products early.
 QUANT_LINEAR_MAX_ROWS = 16
+# float32's GEMM does not: on AVX2 alone (AMD EPYC of the Zen 3 class, 2 threads;
+# benchmarks/quant_linear_rows.py) the blocks are 1.02-1.70x the dequantized product at
+# 256 rows on SmolLM2's and a 1.7B model's MLP weights, 0.89-1.51x at 512-1,024.
+QUANT_LINEAR_MAX_ROWS_FLOAT32 = 256
+
+
+def quant_linear_max_rows(dtype: torch.dtype) -> int:
+    """The most rows at which a block-quantized linear runs on its blocks, for a model
+    whose dense products are in `dtype`."""
+    return QUANT_LINEAR_MAX_ROWS if dtype == torch.bfloat16 else QUANT_LINEAR_MAX_ROWS_FLOAT32
+
+
 CPU_FLAGS = ("amx_tile", "amx_int8", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx_vnni")
 
 
@@ -225,7 +238,7 @@ def cpu_ops(dtype: torch.dtype, int8_activations: bool = True, batch_invariant: 
     # Batch-invariant: integer paths at every row count (the dequantized GEMM past them
     # sums in another order); without int8 activations, dequantize + small_gemm always.
     w8a8_int_max_rows = W8A8_INT_MAX_ROWS if not batch_invariant else 1 << 62
-    blocks_max_rows = QUANT_LINEAR_MAX_ROWS if not batch_invariant else 1 << 62
+    blocks_max_rows = quant_linear_max_rows(dtype) if not batch_invariant else 1 << 62
 
     def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
         if isinstance(weight, StackedWeight):  # each piece on its own kernel

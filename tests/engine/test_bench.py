@@ -467,16 +467,22 @@ def test_roofline_int8_rows_follow_the_kernel_layer():
     from types import SimpleNamespace
 
     from pagoda.bench.roofline import int8_max_rows
-    from pagoda.ops.cpu import QUANT_LINEAR_MAX_ROWS, W8A8_INT_MAX_ROWS
+    from pagoda.ops.cpu import (
+        QUANT_LINEAR_MAX_ROWS,
+        QUANT_LINEAR_MAX_ROWS_FLOAT32,
+        W8A8_INT_MAX_ROWS,
+    )
 
-    on = SimpleNamespace(int8_activations=True, batch_invariant=False)
+    on = SimpleNamespace(int8_activations=True, batch_invariant=False, dtype="bfloat16")
     assert int8_max_rows("q4_1", on, "cpu") == QUANT_LINEAR_MAX_ROWS
+    on_float32 = SimpleNamespace(int8_activations=True, batch_invariant=False, dtype="float32")
+    assert int8_max_rows("q4_1", on_float32, "cpu") == QUANT_LINEAR_MAX_ROWS_FLOAT32 > 16
     assert int8_max_rows("w8a8", on, "cpu") == W8A8_INT_MAX_ROWS
     assert int8_max_rows(None, on, "cpu") == 0  # float weights
     assert int8_max_rows("q4_1", on, "torch") == 0  # PyTorch alone: dequantized products
-    off = SimpleNamespace(int8_activations=False, batch_invariant=False)
+    off = SimpleNamespace(int8_activations=False, batch_invariant=False, dtype="bfloat16")
     assert int8_max_rows("q4_1", off, "cpu") == 0
-    invariant = SimpleNamespace(int8_activations=True, batch_invariant=True)
+    invariant = SimpleNamespace(int8_activations=True, batch_invariant=True, dtype="bfloat16")
     assert int8_max_rows("q4_1", invariant, "cpu") > 1 << 30
 
 
