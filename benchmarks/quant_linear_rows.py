@@ -1,7 +1,8 @@
 """Where a quantized linear should stop running on its blocks: pagoda's int8 product on the
 blocks (`quant_linear`, int8 activations) against dequantizing the weight for the
 float GEMM, per row count, in one process. The crossover sets
-`pagoda.ops.cpu.QUANT_LINEAR_MAX_ROWS` for the CPU at hand.
+`pagoda.ops.cpu.quant_linear_max_rows` (QUANT_LINEAR_MAX_ROWS for bf16 products,
+QUANT_LINEAR_MAX_ROWS_FLOAT32 for float32).
 
     python benchmarks/quant_linear_rows.py [--output-json docs/perf/quant_linear_rows.json]
 
@@ -32,12 +33,12 @@ ROWS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 def ops_with(max_rows: int, dtype: torch.dtype):
     """The CPU ops with the blocks' row limit set to `max_rows` (0: always dequantize)."""
-    saved = cpu.QUANT_LINEAR_MAX_ROWS
-    cpu.QUANT_LINEAR_MAX_ROWS = max_rows
+    saved = cpu.quant_linear_max_rows
+    cpu.quant_linear_max_rows = lambda _dtype: max_rows
     try:
         return cpu.cpu_ops(dtype)
     finally:
-        cpu.QUANT_LINEAR_MAX_ROWS = saved
+        cpu.quant_linear_max_rows = saved
 
 
 def main() -> None:

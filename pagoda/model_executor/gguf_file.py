@@ -17,6 +17,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
+_MAX_NESTING = 4  # arrays of arrays (llama.cpp writes none deeper than 2)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 # gguf.GGUFValueType -> struct format (BOOL is one byte)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # fmt: skip
 # GGML types whose data is an array of plain numbers, and their numpy types.
@@ -34,38 +36,45 @@ class GGUFTensor:
 
 
 class _Header:
-    """A cursor over the header's bytes."""
+    """A cursor over the header's bytes; every read checked against the file's end."""
 
     def __init__(self, buf) -> None:
         self.buf, self.pos = buf, 0
 
+    def need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise ValueError("the header runs past the end of the file")
+
     def scalar(self, fmt: str):
+        size = struct.calcsize("<" + fmt)
+        self.need(size)
         (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
+        self.pos += size
         return value
 
-    def string(self) -> str:
+    def string(self, skip: bool = False) -> str | None:
         n = self.scalar("Q")
+        self.need(n)
         self.pos += n
-        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8")
+        return None if skip else bytes(self.buf[self.pos - n : self.pos]).decode("utf-8")
 
-    def value(self, kind: int, skip: bool = False) -> Any:
-        if kind == _STRING and skip:
-            n = self.scalar("Q")  # (read before pos is, as it moves pos)
-            self.pos += n
-            return None
+    def value(self, kind: int, skip: bool = False, depth: int = 0) -> Any:
         if kind == _STRING:
-            return self.string()
+            return self.string(skip)
         if kind != _ARRAY:
+            if kind not in _SCALARS:
+                raise ValueError(f"unknown GGUF value type {kind}")
             return self.scalar(_SCALARS[kind])
+        if depth >= _MAX_NESTING:
+            raise ValueError(f"arrays nested more than {_MAX_NESTING} deep")
         item, count = self.scalar("I"), self.scalar("Q")
         if item in _SCALARS:  # numbers: one read of the whole run
             dtype = np.dtype("<" + _SCALARS[item].replace("?", "b1"))
+            self.need(dtype.itemsize * count)
             start, self.pos = self.pos, self.pos + dtype.itemsize * count
-            if skip:
-                return None
-            return np.frombuffer(self.buf, dtype, count, start).tolist()
-        return [self.value(item, skip) for _ in range(count)]
+            return None if skip else np.frombuffer(self.buf, dtype, count, start).tolist()
+        self.need(8 * count)  # (a string or an array takes at least 8 bytes)
+        return [self.value(item, skip, depth + 1) for _ in range(count)]
 
 
 class GGUFFile:
@@ -75,7 +84,12 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        header = _Header(self._map)
+        try:
+            self._read(_Header(self._map))
+        except (struct.error, OverflowError, UnicodeDecodeError) as e:
+            raise ValueError(f"a malformed GGUF header ({e})") from e
+
+    def _read(self, header: _Header) -> None:
         if bytes(self._map[:4]) != _MAGIC:
             raise ValueError("not a GGUF file (no GGUF magic)")
         header.pos = 4
@@ -86,21 +100,28 @@ class GGUFFile:
         self.fields: dict[str, Any] = {}
         for _ in range(n_fields):
             key = header.string()
+            if key in self.fields:
+                raise ValueError(f"metadata key {key} is written twice")
             self.fields[key] = header.value(header.scalar("I"))
-        infos = []
+        infos = {}
         for _ in range(n_tensors):
             name = header.string()
-            dims = [header.scalar("Q") for _ in range(header.scalar("I"))]
-            infos.append((name, dims, header.scalar("I"), header.scalar("Q")))
+            n_dims = header.scalar("I")
+            if n_dims > _MAX_DIMS or name in infos:
+                raise ValueError(f"tensor {name}: {n_dims} dimensions, or written twice")
+            dims = [header.scalar("Q") for _ in range(n_dims)]
+            infos[name] = (dims, header.scalar("I"), header.scalar("Q"))
         alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment {alignment} is not a power of two")
         start = -(-header.pos // alignment) * alignment
         whole = np.frombuffer(self._map, np.uint8)
         self.tensors: list[GGUFTensor] = []
-        for name, dims, raw_type, offset in infos:
+        for name, (dims, raw_type, offset) in infos.items():
             kind = GGMLQuantizationType(raw_type)
             block, block_bytes = GGML_QUANT_SIZES[kind]
+            if kind.name not in _PLAIN and (not dims or dims[0] % block):
+                raise ValueError(f"tensor {name}: rows of {dims[:1]} are not whole {kind.name} blocks")  # fmt: skip
             n_elements = int(np.prod(dims, dtype=np.int64))
             n_bytes = n_elements // block * block_bytes
             first = start + offset
@@ -130,6 +151,6 @@ def string_field(path: str, key: str) -> str | None:
                 if name == key:
                     return header.string() if kind == _STRING else None
                 header.value(kind, skip=True)
-    except (OSError, ValueError, struct.error, UnicodeDecodeError, KeyError):
+    except (OSError, ValueError, struct.error, OverflowError):
         return None
     return None

@@ -133,6 +133,8 @@ QUANT_LINEAR_MAX_ROWS = 16
 # float32's GEMM does not: on AVX2 alone (AMD EPYC of the Zen 3 class, 2 threads;
 # benchmarks/quant_linear_rows.py) the blocks are 1.02-1.70x the dequantized product at
 # 256 rows on SmolLM2's and a 1.7B model's MLP weights, 0.89-1.51x at 512-1,024.
+# (float32 with int8 activations on AVX512-VNNI takes the same limit unmeasured: VNNI's
+# integer rate is a larger multiple of float32's there than AVX2's is here.)
 QUANT_LINEAR_MAX_ROWS_FLOAT32 = 256
 
 

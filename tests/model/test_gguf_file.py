@@ -3,6 +3,8 @@ tensor kinds and alignments, and the shipped model; bad files are refused by nam
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
@@ -91,3 +93,39 @@ def test_bad_files_are_refused_by_name(tmp_path, gguf_path):
         assert string_field(str(path), "general.architecture") in (None, "llama")
     with pytest.raises(ValueError, match="runs past the end"):
         GGUFFile(str(tmp_path / "cut.gguf"))
+
+
+def _header(*fields: bytes, tensors: tuple[bytes, ...] = ()) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(fields)) + b"".join(fields + tensors)
+
+
+def _string(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+@pytest.mark.parametrize(
+    "case, data",
+    [
+        # A string whose length runs past the end (a file with no tensors after it).
+        (
+            "cut-string",
+            _header(_string(b"k") + struct.pack("<I", 8) + struct.pack("<Q", 99) + b"ab"),
+        ),  # fmt: skip
+        ("unknown-type", _header(_string(b"k") + struct.pack("<I", 13) + b"\0" * 8)),
+        # An array claiming 2^63 numbers.
+        ("huge-array", _header(_string(b"k") + struct.pack("<IIQ", 9, 4, 1 << 63))),
+        (
+            "nested",
+            _header(_string(b"k") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 9, 1) * 9),
+        ),  # fmt: skip
+        ("twice", _header(*[_string(b"k") + struct.pack("<IB", 0, 1)] * 2)),
+        # A Q8_0 tensor whose rows are not whole 32-weight blocks.
+        ("part-block", _header(tensors=(_string(b"t") + struct.pack("<IQIQ", 1, 33, 8, 0),))),
+    ],
+)
+def test_malformed_headers_are_value_errors(tmp_path, case, data):
+    path = tmp_path / f"{case}.gguf"
+    path.write_bytes(data + b"\0" * 64)
+    with pytest.raises(ValueError):
+        GGUFFile(str(path))
+    assert string_field(str(path), "other") is None
