@@ -131,8 +131,9 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 # the integer products early.
 QUANT_LINEAR_MAX_ROWS = 16
 # float32's GEMM does not: on AVX2 alone (AMD EPYC of the Zen 3 class, 2 threads;
-# benchmarks/quant_linear_rows.py) the blocks are 1.02-1.70x the dequantized product at
-# 256 rows on SmolLM2's and a 1.7B model's MLP weights, 0.89-1.51x at 512-1,024.
+# benchmarks/quant_linear_rows.py) the blocks are 1.77-2.48x the dequantized product at
+# 64 rows and 0.96-1.55x at 256 on SmolLM2's and a 1.7B model's MLP weights (the larger
+# the weight, the further they lead), 0.87-1.32x at 512-1,024.
 # (float32 with int8 activations on AVX512-VNNI takes the same limit unmeasured: VNNI's
 # integer rate is a larger multiple of float32's there than AVX2's is here.)
 QUANT_LINEAR_MAX_ROWS_FLOAT32 = 256
