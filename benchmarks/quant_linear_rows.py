@@ -14,7 +14,6 @@ has it natively, else float32); best of `--repeats`, the two paths in turn.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -23,9 +22,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from pagoda.bench.report import machine_info
+from pagoda.bench.report import write_json
+from pagoda.model_executor.model_loader import resolve_dtype
 from pagoda.model_executor.quantization import from_gguf
 from pagoda.ops import cpu
+from pagoda.worker.model_setup import DTYPES
 
 SHAPES = [("q4_1", 1536, 576), ("q4_1", 576, 1536), ("q4_0", 6144, 2048), ("q4_0", 2048, 6144)]
 ROWS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -49,7 +50,7 @@ def main() -> None:
     module = cpu.load()
     if module is None or not module.quant_linear_available():
         sys.exit("pagoda's int8 block kernels are not built on this CPU")
-    dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    dtype = DTYPES[resolve_dtype("auto", {})]  # bf16 where native, else float32
     paths = {"blocks": ops_with(1 << 30, dtype), "dequantized": ops_with(0, dtype)}
     rng = np.random.default_rng(0)
     results = []
@@ -73,18 +74,11 @@ def main() -> None:
             print(f"{kind} {out_features}x{in_features} rows {rows:4d}: blocks "
                   f"{row['blocks_ms']:8.2f} ms, dequantized {row['dequantized_ms']:8.2f} ms, "
                   f"blocks {row['dequantized_over_blocks']:5.2f}x")  # fmt: skip
-    report = {
-        "command": " ".join(["python", *sys.argv]),
-        "machine": machine_info(),
-        "cpu_flags": [name for name, present in cpu.cpu_flags().items() if present],
-        "dtype": str(dtype),
-        "threads": torch.get_num_threads(),
-        "quant_linear_max_rows": cpu.quant_linear_max_rows(dtype),
-        "results": results,
-    }
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+        config = {"dtype": str(dtype), "repeats": args.repeats,
+                  "cpu_flags": [name for name, present in cpu.cpu_flags().items() if present],
+                  "quant_linear_max_rows": cpu.quant_linear_max_rows(dtype)}  # fmt: skip
+        write_json(args.output_json, config, results)
 
 
 if __name__ == "__main__":

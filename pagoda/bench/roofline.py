@@ -18,7 +18,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from pagoda.model_executor.layers.attention import Attention
@@ -27,6 +26,7 @@ from pagoda.model_executor.layers.linear import Embedding
 from pagoda.model_executor.layers.rotary import RotaryEmbedding
 from pagoda.model_executor.quantization import PER_CHANNEL, StackedWeight
 from pagoda.ops.cpu import W8A8_INT_MAX_ROWS, quant_linear_max_rows
+from pagoda.worker.model_setup import DTYPES
 
 FLOAT_PATHS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
@@ -178,7 +178,7 @@ def int8_max_rows(weight_format: str | None, model_config, ops_backend: str) -> 
         return 1 << 62
     if weight_format == PER_CHANNEL:
         return W8A8_INT_MAX_ROWS
-    return quant_linear_max_rows(getattr(torch, model_config.dtype))
+    return quant_linear_max_rows(DTYPES[model_config.dtype])
 
 
 # ---- the engine's steps, timed ----------------------------------------------------------

@@ -41,6 +41,17 @@ class _Header:
     def __init__(self, buf) -> None:
         self.buf, self.pos = buf, 0
 
+    def preamble(self) -> tuple[int, int]:
+        """Past the magic and the version: (tensors, metadata keys). ValueError for a file
+        that is not GGUF or of a version not read (1, of 2023, counted in 32 bits)."""
+        if bytes(self.buf[:4]) != _MAGIC:
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        self.pos = 4
+        version = self.scalar("I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not read (2 and 3 are, little-endian)")
+        return self.scalar("Q"), self.scalar("Q")
+
     def need(self, n: int) -> None:
         if self.pos + n > len(self.buf):
             raise ValueError("the header runs past the end of the file")
@@ -84,19 +95,8 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            self._read(_Header(self._map))
-        except (struct.error, OverflowError, UnicodeDecodeError) as e:
-            raise ValueError(f"a malformed GGUF header ({e})") from e
-
-    def _read(self, header: _Header) -> None:
-        if bytes(self._map[:4]) != _MAGIC:
-            raise ValueError("not a GGUF file (no GGUF magic)")
-        header.pos = 4
-        version = header.scalar("I")
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not read (2 and 3 are, little-endian)")
-        n_tensors, n_fields = header.scalar("Q"), header.scalar("Q")
+        header = _Header(self._map)  # (its reads are checked: bad bytes are ValueErrors)
+        n_tensors, n_fields = header.preamble()
         self.fields: dict[str, Any] = {}
         for _ in range(n_fields):
             key = header.string()
@@ -142,15 +142,12 @@ def string_field(path: str, key: str) -> str | None:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             header = _Header(m)
-            header.pos = 4
-            if bytes(m[:4]) != _MAGIC or header.scalar("I") < 2:
-                return None  # (version 1, of 2023, counted in 32 bits)
-            header.scalar("Q")  # tensors
-            for _ in range(header.scalar("Q")):
+            _, n_fields = header.preamble()
+            for _ in range(n_fields):
                 name, kind = header.string(), header.scalar("I")
                 if name == key:
                     return header.string() if kind == _STRING else None
                 header.value(kind, skip=True)
-    except (OSError, ValueError, struct.error, OverflowError):
+    except (OSError, ValueError):
         return None
     return None

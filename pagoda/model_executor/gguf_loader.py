@@ -34,7 +34,7 @@ def gguf_reader(path: str) -> GGUFFile:
     weights each read it (a fraction of a second even for a large vocabulary)."""
     try:
         return GGUFFile(path)
-    except Exception as e:  # a bad file fails in assorted ways
+    except (OSError, ValueError) as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
 
 
