@@ -185,7 +185,9 @@ def test_nomic_bert_spellings_and_gguf_equal_sentence_transformers(tmp_path, mon
         (nomic_folder(folder, str(tmp_path / "transformers"), "transformers"), 0.999999),
         (original, 0.999999),
         (write_bert_gguf(str(tmp_path / "f32.gguf"), original), 0.999999),
-        (q8_0, 0.995),  # (the weights' rounding: a tiny random model's, exact below)
+        # The weights' rounding, on a tiny random model: 0.9937-0.9973 seen across processes
+        # (the trained vocabulary's ties break differently); exact against them below.
+        (q8_0, 0.99),
     ):
         llm = LLM(path, dtype="float32")
         got = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
