@@ -40,6 +40,38 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def copy_fields(writer, source: str, skip=lambda key: False, replace: dict | None = None):
+    """Every metadata field of the GGUF file `source` into `writer`, but its
+    architecture and those `skip` names; `replace`: other values for some keys. Read with
+    pagoda's reader (the gguf package's takes seconds over a 49,152-token vocabulary);
+    scalars written as uint32/int32, float32, bool or string, arrays by their items'
+    kind (token types int32, scores float32). Returns the source's fields."""
+    from gguf import GGUFValueType as T
+
+    from pagoda.model_executor.gguf_file import GGUFFile
+
+    def kind(value) -> T:
+        if isinstance(value, str):
+            return T.STRING
+        if isinstance(value, bool):
+            return T.BOOL
+        if isinstance(value, float):
+            return T.FLOAT32
+        return T.UINT32 if value >= 0 else T.INT32
+
+    fields = GGUFFile(source).fields
+    for key, value in fields.items():
+        if key == "general.architecture" or skip(key):
+            continue
+        value = (replace or {}).get(key, value)
+        if isinstance(value, list):
+            item = kind(value[0]) if value else T.STRING
+            writer.add_key_value(key, value, T.ARRAY, T.INT32 if item == T.UINT32 else item)
+        else:
+            writer.add_key_value(key, value, kind(value))
+    return fields
+
+
 def _tokenizer(writer, folder: str) -> None:
     with open(os.path.join(folder, "tokenizer.json")) as f:
         tok = json.load(f)

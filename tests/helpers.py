@@ -712,19 +712,14 @@ def blocks_with_std(type_name: str, rows: int, cols: int, seed: int, std: float)
 
 
 def write_tiny_gguf(path: str, source: str, types: dict[str, str], seed: int = 0) -> None:
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
-    reader = GGUFReader(source)
+    from tests.gguf_writer import copy_fields
+
     writer = GGUFWriter(path, "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
-        if key.startswith("llama.") and key.removeprefix("llama.") in TINY:
-            value = TINY[key.removeprefix("llama.")]
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(key, value, field.types[0], sub_type)
-    hidden, ffn, vocab = 256, 512, int(reader.fields["llama.vocab_size"].contents())
+    tiny = {f"llama.{k}": v for k, v in TINY.items()}
+    fields = copy_fields(writer, source, replace=tiny)
+    hidden, ffn, vocab = 256, 512, int(fields["llama.vocab_size"])
     shapes = {"attn_q": (256, hidden), "attn_k": (128, hidden), "attn_v": (128, hidden),
               "attn_output": (hidden, 256), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
               "ffn_down": (hidden, ffn)}  # fmt: skip

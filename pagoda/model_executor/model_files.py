@@ -66,26 +66,37 @@ def load_tokenizer(path: str, is_gguf: bool):
         raise ValueError(f"cannot load the tokenizer of {path!r}: {e}") from e
 
 
+# llama.cpp's architecture -> transformers' model_type, where the two differ (as
+# transformers' own GGUF loader renames them).
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+
 def _gguf_tokenizer(path: str):
+    """The tokenizer transformers builds from the file's vocabulary, of the class
+    AutoTokenizer would pick for its architecture (TokenizersBackend where transformers
+    has none of its own, or does not know the architecture: granite, smollm3, deepseek2).
+    Not through AutoTokenizer itself: to pick the class it reads the file's whole
+    config with the gguf package's reader (9 s for SmolLM2's 49,152-token vocabulary on
+    a slow CPU; the vocabulary alone takes under 1 s)."""
     from pagoda.model_executor.gguf_file import string_field
     from pagoda.model_executor.gguf_tokenizer import wordpiece_tokenizer
 
     if string_field(path, "tokenizer.ggml.model") == "bert":
         return wordpiece_tokenizer(path)  # (BERT's respelled WordPiece: not transformers')
-    from transformers import AutoTokenizer
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import (
+        TOKENIZER_MAPPING_NAMES,
+        tokenizer_class_from_name,
+    )
 
-    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-    try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except ValueError as e:
-        if "architecture" not in str(e):
-            raise
-        # transformers reads the file's model config first and knows fewer
-        # architectures than pagoda (granite, smollm3, deepseek2); the vocabulary
-        # itself is a kind it builds (gpt2, llama, ...).
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+    arch = string_field(path, "general.architecture") or ""
+    name = TOKENIZER_MAPPING_NAMES.get(_MODEL_TYPES.get(arch, arch))
+    # (Mistral's own tokenizer reads tekken.json files, which a GGUF file is not.)
+    cls = TokenizersBackend
+    if name and name != "MistralCommonBackend":
+        cls = tokenizer_class_from_name(name) or TokenizersBackend
+    folder, file = os.path.dirname(path) or ".", os.path.basename(path)
+    return cls.from_pretrained(folder, gguf_file=file)
 
 
 def tokenizer_cache_dir(gguf_path: str) -> str:

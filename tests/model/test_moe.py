@@ -12,6 +12,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.model_executor.layers.fused_moe import FusedMoE
 from pagoda.ops import TORCH_OPS
+from tests.gguf_writer import copy_fields
 from tests.helpers import (
     MAX_TOKENS,
     agreement_on_prefixes,
@@ -259,7 +260,7 @@ def write_moe_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type: str
     import os
 
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     from safetensors.torch import load_file
 
@@ -279,11 +280,7 @@ def write_moe_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type: str
     num_experts = cfg["num_local_experts"] if mixtral else cfg["num_experts"]
     expert_parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     writer = GGUFWriter(path, arch)
-    for key, field in GGUFReader(tokenizer_gguf).fields.items():
-        if key.startswith(("GGUF.", "llama.")) or key == "general.architecture":
-            continue
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    copy_fields(writer, tokenizer_gguf, skip=lambda key: key.startswith("llama."))
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     writer.add_block_count(cfg["num_hidden_layers"])

@@ -147,9 +147,9 @@ def test_keep_full_precision(tiny_llama):
 def test_shipped_gguf_weights_stay_in_their_blocks(gguf_path):
     """The weights held are the file's tensor bytes (within 10%): q4_1 layers, the q8_0
     embedding shared with the tied lm_head, float32 norms kept in the model's dtype."""
-    from gguf import GGUFReader
+    from pagoda.model_executor.gguf_file import GGUFFile
 
-    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors)
+    file_bytes = sum(t.n_bytes for t in GGUFFile(gguf_path).tensors)
     llm = LLM(gguf_path, dtype="bfloat16", kv_cache_memory_bytes=1 << 24)
     model = llm.llm_engine.model_runner.model
     unique = {id(m.qweight): m.qweight for m in model.modules() if getattr(m, "qweight", None)}
