@@ -5,7 +5,7 @@ transformers builds NomicBertModel from v1.5's config (768 wide, 12 layers, 3,07
 the MLP; random weights: only speed is measured) with all-MiniLM-L6-v2's WordPiece
 tokenizer (bert-base-uncased's 30,522 tokens, the vocabulary nomic-embed-text uses; a
 pre-tokenizer the converter knows) and mean pooling; the folder is written in Nomic's
-original spelling (tests/gguf_writer.py's nomic_folder), and llama.cpp's own
+original spelling (tests/gguf_bert_writer.py's nomic_folder), and llama.cpp's own
 convert_hf_to_gguf.py makes F16 and Q8_0 files of it.
 
     python benchmarks/nomic_embed_model.py --llama-cpp SRC --out DIR
@@ -29,7 +29,7 @@ import torch
 
 sys.path[0] = __file__.rsplit("/benchmarks/", 1)[0]  # the repository (tests.helpers)
 
-from tests.gguf_writer import nomic_folder  # noqa: E402
+from tests.gguf_bert_writer import nomic_folder  # noqa: E402
 from tests.helpers import make_sentence_transformer, minilm_folder  # noqa: E402
 
 

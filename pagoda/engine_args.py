@@ -39,6 +39,7 @@ from pagoda.model_executor.models import (
     EXPERTS,
     VISION,
     needs,
+    position_offset,
 )
 from pagoda.model_executor.tasks import pooler_config, resolve_tasks
 from pagoda.refusals import (
@@ -339,11 +340,14 @@ class EngineArgs:
             check_cuda(self, hf_config)
             quantization = "none"  # GGUF blocks expanded to the dtype: no GPU kernel yet
             kernel_backend = "triton" if kernel_backend == "auto" else kernel_backend
-        model_max_len = int(hf_config.get("max_position_embeddings") or 2048)
+        # (RoBERTa's first rows are the padding id's and before: never a token's)
+        offset = position_offset(arch, hf_config)
+        model_max_len = int(hf_config.get("max_position_embeddings") or 2048) - offset
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({model_max_len})."
+                f"max_position_embeddings ({model_max_len + offset}"
+                + (f", less {offset} rows before its first token)." if offset else ").")
             )
         dtype = model_loader.resolve_dtype(self.dtype, hf_config, device)
         eos_token_ids, generation_defaults = model_loader.load_generation_config(

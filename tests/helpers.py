@@ -512,10 +512,10 @@ ENCODER_TEXTS = [
 
 def make_encoder_tokenizer(folder: str, kind: str):
     """A tokenizer trained here and saved into folder: BERT's WordPiece ("wordpiece",
-    [CLS] A [SEP] B [SEP], B of token type 1) or XLM-R's Unigram ("unigram", <s> A </s></s> B
-    </s>)."""
+    [CLS] A [SEP] B [SEP], B of token type 1) or XLM-R's Unigram ("unigram", NFKC's
+    precompiled map, <s> A </s></s> B </s>)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertTokenizerFast, XLMRobertaTokenizerFast
+    from transformers import BertTokenizerFast, XLMRobertaTokenizer
 
     corpus = ENCODER_TEXTS * 20
     if kind == "wordpiece":
@@ -533,22 +533,26 @@ def make_encoder_tokenizer(folder: str, kind: str):
         )  # fmt: skip
         fast = BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                  cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")  # fmt: skip
-    else:
-        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-        tok = Tokenizer(models.Unigram())
-        tok.pre_tokenizer = pre_tokenizers.Metaspace()
-        trainer = trainers.UnigramTrainer(
-            vocab_size=300, special_tokens=specials, unk_token="<unk>"
-        )
-        tok.train_from_iterator(corpus, trainer)
-        bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
-            special_tokens=[("<s>", bos), ("</s>", eos)],
+    else:  # as XLM-R's: SentencePiece's Unigram with NFKC's precompiled map, realigned
+        # to fairseq's ids (<s> <pad> </s> <unk>, the pieces, <mask>) as transformers does
+        import io
+
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2
+
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(corpus), model_writer=model, vocab_size=300,
+            model_type="unigram", normalization_rule_name="nmt_nfkc", hard_vocab_limit=False,
+            num_threads=1, minloglevel=2,
         )  # fmt: skip
-        fast = XLMRobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                       sep_token="</s>", cls_token="<s>", unk_token="<unk>",
-                                       pad_token="<pad>", mask_token="<mask>")  # fmt: skip
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(model.getvalue())
+        pieces = [(p.piece, p.score) for p in proto.pieces[3:]]  # (after <unk> <s> </s>)
+        vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), *pieces, ("<mask>", 0.0)]  # fmt: skip
+        fast = XLMRobertaTokenizer(
+            vocab=vocab, _spm_precompiled_charsmap=proto.normalizer_spec.precompiled_charsmap
+        )
     fast.save_pretrained(folder)
     return fast
 

@@ -1,6 +1,8 @@
 """GGUF files of BERT embedding models as llama.cpp's converter writes them (all-MiniLM,
-bge, e5, ...; `general.architecture` bert; nomic-embed-text: nomic-bert): their config
-from llama.cpp's keys, their tensors under BertModel's (NomicBertModel's) names. BERT's tensors are written one to one, norms and
+bge, e5, ...; `general.architecture` bert; nomic-embed-text: nomic-bert), and of XLM-R
+ones (bge-m3, multilingual-e5; the bge-reranker cross-encoders, their head as cls and
+cls.output): their config from llama.cpp's keys, their tensors under BertModel's
+(NomicBertModel's) names. BERT's tensors are written one to one, norms and
 biases in F32, the position and token-type tables always F32, the other matrices in
 the file's type (quantized blocks kept as blocks, as gguf_loader keeps a decoder's).
 The vocabulary's respelling is undone in gguf_tokenizer.py."""
@@ -14,6 +16,8 @@ _BERT_TOP = {
     "token_types": "embeddings.token_type_embeddings",
     "position_embd": "embeddings.position_embeddings",
     "token_embd_norm": "embeddings.LayerNorm",
+    "cls": "classifier.dense",
+    "cls.output": "classifier.out_proj",
 }
 _BERT_LAYER = {
     "attn_q": "attention.self.query",
@@ -26,7 +30,7 @@ _BERT_LAYER = {
     "layer_output_norm": "output.LayerNorm",
 }
 # Nomic BERT: no position table (rotary), q/k/v fused, a gated MLP; pagoda's module names.
-_NOMIC_TOP = {k: v for k, v in _BERT_TOP.items() if k != "position_embd"}
+_NOMIC_TOP = {k: v for k, v in _BERT_TOP.items() if not k.startswith(("position_embd", "cls"))}
 _NOMIC_LAYER = {
     "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
@@ -37,8 +41,9 @@ _NOMIC_LAYER = {
     "layer_output_norm": "post_mlp_layernorm",
 }
 # llama.cpp's pooling_type -> pagoda's pooling method. 0 (none: per-token states) and an
-# absent key leave the family's default, the [CLS] token; 4 (rank) is refused.
+# absent key leave the family's default, the [CLS] token; 4 (rank) is a classifier's.
 _POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+_RANK = 4
 
 
 def bert_config(meta) -> dict[str, Any]:
@@ -47,20 +52,28 @@ def bert_config(meta) -> dict[str, Any]:
     nomic = meta.arch == "nomic-bert"
     where = f"GGUF {meta.arch} file"
     vocab_kind = meta.fields.get("tokenizer.ggml.model")
-    if vocab_kind != "bert":
+    if vocab_kind not in ("bert", "t5") or (nomic and vocab_kind != "bert"):
         raise ValueError(
-            f"{where}: tokenizer.ggml.model {vocab_kind!r} is not supported; only BERT's "
-            "WordPiece vocabulary ('bert') is (RoBERTa's and XLM-R's conversions are not)."
+            f"{where}: tokenizer.ggml.model {vocab_kind!r} is not supported; BERT's WordPiece "
+            "('bert') and XLM-R's SentencePiece Unigram ('t5') are (RoBERTa's byte-level "
+            "BPE, 'gpt2', is not)."
         )
     if meta.get("attention.causal", False):
         raise ValueError(f"{where}: {meta.arch}.attention.causal is true; BERT attends both ways.")  # fmt: skip
     if "blk.0.attn_qkv.weight" in meta.tensors and not nomic:
         raise ValueError(f"{where}: a fused attn_qkv is not supported (attn_q/k/v are).")
     pooling = int(meta.get("pooling_type", 0))
-    if pooling not in (0, *_POOLING_TYPES):
+    ranks = "cls.output.weight" in meta.tensors  # a cross-encoder's classifier
+    if pooling not in (0, *_POOLING_TYPES) and not (pooling == _RANK and ranks):
         raise ValueError(
-            f"{where}: {meta.arch}.pooling_type {pooling} is not supported (1 mean, 2 cls, 3 last"
-            "; 4, rank, is a reranker's head)."
+            f"{where}: {meta.arch}.pooling_type {pooling} is not supported (1 mean, 2 cls, 3 "
+            "last; 4, rank, with a classifier: cls and cls.output)."
+        )
+    if (ranks or "cls.weight" in meta.tensors) and not (ranks and "cls.weight" in meta.tensors):
+        raise ValueError(
+            f"{where}: a classifier needs both cls (the dense layer before tanh) and cls.output; "
+            "llama.cpp's converter drops a BertForSequenceClassification's pooler (its cls), "
+            "so such a file cannot score as the model does (its Hugging Face folder can)."
         )
 
     def rows(name: str, default: int) -> int:
@@ -93,7 +106,15 @@ def bert_config(meta) -> dict[str, Any]:
             max_position_embeddings=int(meta.get("context_length", 2048)),
             rope_parameters={"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 1000.0))},
         )  # fmt: skip
-    if pooling:
+    if vocab_kind == "t5":  # XLM-R: its position table was cut to start at 0
+        config.update(architectures=["XLMRobertaModel"], model_type="xlm-roberta", position_offset=0)  # fmt: skip
+    if ranks:  # (XLM-)RoBERTa's head: cls is its dense layer, cls.output its out_proj
+        config["architectures"] = [config["architectures"][0].replace("Model", "ForSequenceClassification")]  # fmt: skip
+        config["num_labels"] = rows("cls.output.weight", 1)
+        labels = meta.get("classifier.output_labels")
+        if labels and len(labels) == config["num_labels"]:
+            config["id2label"] = dict(enumerate(labels))
+    if pooling in _POOLING_TYPES:
         config["pooling_method"] = _POOLING_TYPES[pooling]
     return config
 

@@ -79,17 +79,23 @@ def _gguf_tokenizer(path: str):
     config with the gguf package's reader (9 s for SmolLM2's 49,152-token vocabulary on
     a slow CPU; the vocabulary alone takes under 1 s)."""
     from pagoda.model_executor.gguf_file import string_field
-    from pagoda.model_executor.gguf_tokenizer import wordpiece_tokenizer
+    from pagoda.model_executor.gguf_tokenizer import unigram_tokenizer, wordpiece_tokenizer
 
-    if string_field(path, "tokenizer.ggml.model") == "bert":
+    arch, vocab = (
+        string_field(path, "general.architecture"),
+        string_field(path, "tokenizer.ggml.model"),
+    )
+    if vocab == "bert":
         return wordpiece_tokenizer(path)  # (BERT's respelled WordPiece: not transformers')
+    if arch == "bert" and vocab == "t5":
+        return unigram_tokenizer(path)  # (XLM-R's: transformers reads only T5's)
     from transformers import TokenizersBackend
     from transformers.models.auto.tokenization_auto import (
         TOKENIZER_MAPPING_NAMES,
         tokenizer_class_from_name,
     )
 
-    arch = string_field(path, "general.architecture") or ""
+    arch = arch or ""
     name = TOKENIZER_MAPPING_NAMES.get(_MODEL_TYPES.get(arch, arch))
     # (Mistral's own tokenizer reads tekken.json files, which a GGUF file is not.)
     cls = TokenizersBackend

@@ -1,5 +1,5 @@
 """GGUF embedding files of BERT models, as llama.cpp's converter writes them
-(tests/gguf_writer.py: general.architecture "bert", the WordPiece vocabulary respelled
+(tests/gguf_bert_writer.py: general.architecture "bert", the WordPiece vocabulary respelled
 for llama.cpp's phantom-space matcher, F32 or Q8_0 matrices), against the
 sentence-transformers folder they were written from: the rebuilt tokenizer's ids (and
 token types) equal the folder's own, the embeddings sentence-transformers' `encode`,
@@ -14,7 +14,7 @@ import pytest
 
 from pagoda import LLM
 from pagoda.engine_args import EngineArgs
-from tests.gguf_writer import nomic_folder, write_bert_gguf, write_bert_vocab_gguf
+from tests.gguf_bert_writer import nomic_folder, write_bert_gguf, write_bert_vocab_gguf
 from tests.helpers import (
     ENCODER_TEXTS,
     make_encoder,

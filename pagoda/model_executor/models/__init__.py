@@ -91,6 +91,15 @@ NEEDS = {
 }
 
 
+def position_offset(architecture: str, cfg: dict) -> int:
+    """The row of its position table a model's first token reads: (XLM-)RoBERTa's come
+    after the padding id's (a GGUF file's table was cut to start at its first token:
+    its config says position_offset 0); every other model's, row 0."""
+    if "Roberta" not in architecture:
+        return 0
+    return int(cfg.get("position_offset", cfg.get("pad_token_id", 1) + 1))
+
+
 def needs(architecture: str) -> frozenset[str]:
     """What `architecture` needs beyond a dense decoder (EXPERTS, LATENT_ATTENTION, ...)."""
     return frozenset(NEEDS.get(architecture, ()))

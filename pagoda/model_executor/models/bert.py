@@ -16,6 +16,7 @@ from torch import nn
 
 from pagoda.attention.context import get_attention_metadata
 from pagoda.model_executor.layers.linear import Embedding, Linear
+from pagoda.model_executor.models import position_offset
 from pagoda.model_executor.quantization import QuantizedWeight
 from pagoda.model_executor.weight_loader import load_by_name
 from pagoda.ops import TORCH_OPS, Ops
@@ -183,7 +184,7 @@ class RobertaModel(BertModel):
     prefix = "roberta."
 
     def position_offset_of(self, cfg: dict[str, Any]) -> int:
-        return cfg.get("pad_token_id", 1) + 1
+        return position_offset("RobertaModel", cfg)
 
 
 class BertForSequenceClassification(nn.Module):
