@@ -12,7 +12,7 @@ PyTorch's allocator advises only under THP_MEM_ALLOC_ENABLE=1, read once at its 
 allocation (before pagoda could set it), and weights made from NumPy arrays (GGUF
 blocks) never come from it. So pagoda copies the model's tensors, once loaded, into
 one advised arena of its own (`move_to_huge_pages`), and allocates the KV cache in one
-(`huge_page_zeros`). Where the kernel has no transparent huge pages ("never", or not
+(`huge_page_zeros`, resident as it is written). Where the kernel has no transparent huge pages ("never", or not
 Linux) nothing moves.
 """
 
@@ -62,12 +62,15 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype), on huge pages where the kernel has them; written
-    now, as torch.zeros writes, so that it is resident from the start."""
+    """torch.zeros(shape, dtype=dtype), on huge pages where the kernel has them. Not
+    written here: a fresh anonymous mapping reads as zeros, and each 2 MiB page is
+    faulted in when first written. Writing the whole cache up front, as torch.zeros
+    does, made every start pay for it: the default 4 GiB took about 4.7 s of the 13 s
+    `pagoda serve` needed to be ready on a slow 2-vCPU VM (py-spy)."""
     buffer = huge_page_buffer(math.prod(shape) * dtype.itemsize)
     if buffer is None:
         return torch.zeros(shape, dtype=dtype)
-    return buffer.view(dtype).view(shape).zero_()
+    return buffer.view(dtype).view(shape)
 
 
 def move_to_huge_pages(model: torch.nn.Module, min_bytes: int = 1 << 16) -> int:

@@ -104,9 +104,14 @@ def test_nothing_moves_under_min_bytes():
 
 @needs_thp
 def test_the_kv_cache_is_zeroed_on_huge_pages():
-    z = huge_page_zeros((3, 1000, 700), torch.bfloat16)
-    assert z.shape == (3, 1000, 700) and z.dtype == torch.bfloat16
-    assert not z.any() and thp_eligible(z)
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    z = huge_page_zeros((64, 1024, 1024), torch.float32)  # 256 MiB, resident as written
+    assert psutil.Process().memory_info().rss - rss < 64 << 20
+    z[5, 7, 9] = 1.0
+    assert z.shape == (64, 1024, 1024) and z.dtype == torch.float32
+    assert z.count_nonzero() == 1 and thp_eligible(z)
     cache = PagedKVCache(2, 8, 16, 2, 64, torch.int8)
     assert thp_eligible(cache.data) and thp_eligible(cache.scales)
     assert not cache.data.any() and not cache.scales.any()

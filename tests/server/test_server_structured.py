@@ -366,12 +366,13 @@ def test_smollm2_fifty_schemas_all_validate():
     for out, schema in zip(outs, schemas, strict=True):
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
-    # Unconstrained, with room for the longest constrained answer and more: a valid JSON
-    # answer needs no more tokens than that (longer ones are prose, and cost time).
+    # Unconstrained (the first 25), with room for the longest constrained answer and
+    # more: a valid JSON answer needs no more tokens than that (longer ones are prose,
+    # and cost time). None of the 50 was valid when this was written.
     room = max(len(o.outputs[0].token_ids) for o in outs) + 32
     free = llm.chat(
-        convs,
-        [SamplingParams(temperature=0.8, seed=i, max_tokens=room) for i in range(50)],
+        convs[:25],
+        [SamplingParams(temperature=0.8, seed=i, max_tokens=room) for i in range(25)],
         use_tqdm=False,
     )
 
@@ -382,8 +383,8 @@ def test_smollm2_fifty_schemas_all_validate():
         except (ValueError, jsonschema.ValidationError):
             return False
 
-    num_free_valid = sum(valid(o.outputs[0].text, s) for o, s in zip(free, schemas, strict=True))
-    assert num_free_valid < 10, num_free_valid  # the mask does the work
+    num_free_valid = sum(valid(o.outputs[0].text, s) for o, s in zip(free, schemas[:25], strict=True))  # fmt: skip
+    assert num_free_valid < 5, num_free_valid  # the mask does the work
 
 
 @pytest.mark.slow
