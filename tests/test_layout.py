@@ -1,6 +1,6 @@
 """The test suite's layout, kept: test modules sit in the folders (core, engine, model,
 kernels, server, distributed); what they share lives in tests/helpers.py (and the GGUF
-writer in tests/gguf_writer.py), imported as `from tests.helpers import ...`; no module
+writers in tests/gguf_writer.py and tests/gguf_bert_writer.py), imported as `from tests.helpers import ...`; no module
 under tests/ imports a test module or conftest.py; conftest.py holds fixtures and hooks
 only. Read from the sources (AST), nothing imported."""
 
@@ -10,7 +10,11 @@ import ast
 import pathlib
 
 TESTS = pathlib.Path(__file__).resolve().parent
-SHARED = {"helpers", "gguf_writer"}  # the modules under tests/ that others may import
+SHARED = {
+    "helpers",
+    "gguf_writer",
+    "gguf_bert_writer",
+}  # the modules under tests/ others may import
 FOLDERS = {"core", "engine", "model", "kernels", "server", "distributed"}
 
 
