@@ -15,6 +15,7 @@ The file: llama.cpp's own `convert_hf_to_gguf.py` on the folder. Inputs of 128 t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,6 +42,19 @@ def wait_up(url: str, proc: subprocess.Popen, seconds: float = 300) -> None:
             pass
         time.sleep(0.5)
     sys.exit(f"{url} did not come up")
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str]):
+    """The server `cmd` (its `--port`) started, up, and stopped after: yields its URL."""
+    url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_up(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def main() -> None:
@@ -86,11 +100,7 @@ def main() -> None:
     }  # fmt: skip
     results = []
     for system, cmd in servers.items():
-        port = cmd[cmd.index("--port") + 1]
-        url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_up(url, proc)
+        with serving(cmd) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
             got: list[list[float]] = []
             model = client.models.list().data[0].id
@@ -102,9 +112,6 @@ def main() -> None:
                     got.extend(d.embedding for d in r.data)
 
             rate = best_rate(run, len(inputs), args.repeats)
-        finally:
-            proc.terminate()
-            proc.wait()
         vectors = np.asarray(got)
         cos = (vectors * reference).sum(1) / np.linalg.norm(vectors, axis=1) / np.linalg.norm(reference, axis=1)  # fmt: skip
         results.append({"system": system, "embeddings_per_s": rate,

@@ -18,9 +18,7 @@ SRC/build/bin). Each request: one query and `--documents` documents, each pair c
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -32,7 +30,7 @@ sys.path[0] = __file__.rsplit("/benchmarks/", 1)[0]  # the repository (tests.hel
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 from embeddings import best_rate, texts  # noqa: E402
-from embeddings_vs_llamacpp import wait_up  # noqa: E402
+from embeddings_vs_llamacpp import serving  # noqa: E402
 
 from tests.helpers import make_encoder  # noqa: E402
 
@@ -72,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     from sentence_transformers import CrossEncoder
 
-    from pagoda.bench.report import machine_info
+    from pagoda.bench.report import write_json
 
     folder, files = make_files(args.llama_cpp, args.out)
     ce = CrossEncoder(folder, device="cpu", max_length=args.tokens)
@@ -99,12 +97,8 @@ def main() -> None:
                           "-ub", str(args.llama_ubatch), "-np", str(args.documents), "--log-disable"],
         }  # fmt: skip
         for system, cmd in servers.items():
-            port = cmd[cmd.index("--port") + 1]
-            url = f"http://127.0.0.1:{port}"
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             scores: list[float] = []
-            try:
-                wait_up(url, proc)
+            with serving(cmd) as url:
                 client = httpx.Client(base_url=url, timeout=600)
 
                 def run(client=client, scores=scores):
@@ -116,9 +110,6 @@ def main() -> None:
                         scores.extend(x["relevance_score"] for x in ranked)
 
                 rate = best_rate(run, len(docs), args.repeats)
-            finally:
-                proc.terminate()
-                proc.wait()
             got = np.asarray(scores)
             # llama.cpp's relevance_score is the label's logit; pagoda's (and
             # CrossEncoder's) its sigmoid.
@@ -134,19 +125,10 @@ def main() -> None:
         if peer is not None:
             r["vs_llama_cpp"] = r["documents_per_s"] / peer["documents_per_s"]
         r["vs_sentence_transformers"] = r["documents_per_s"] / results[0]["documents_per_s"]
-    report = {
-        "command": " ".join(["python", *sys.argv]),
-        "machine": machine_info(),
-        "python": platform.python_version(),
-        "shape": SHAPE,
-        "documents_per_request": args.documents,
-        "tokens_per_pair": args.tokens,
-        "documents": len(docs),
-        "results": results,
-    }
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+        config = {"shape": SHAPE, "documents_per_request": args.documents,
+                  "tokens_per_pair": args.tokens, "documents": len(docs)}  # fmt: skip
+        write_json(args.output_json, config, results)
 
 
 if __name__ == "__main__":

@@ -346,8 +346,8 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({model_max_len + offset}"
-                + (f", less {offset} rows before its first token)." if offset else ").")
+                f"{model_max_len} positions (max_position_embeddings "
+                f"{model_max_len + offset})."
             )
         dtype = model_loader.resolve_dtype(self.dtype, hf_config, device)
         eos_token_ids, generation_defaults = model_loader.load_generation_config(

@@ -150,7 +150,9 @@ def write_bert_gguf(
     if pooling is not None:
         writer.add_uint32(f"{writer.arch}.pooling_type", pooling)
     labels = [v for _, v in sorted((cfg.get("id2label") or {}).items())]
-    if labels and labels != ["LABEL_0", "LABEL_1"]:  # (the converter drops those two)
+    if labels == ["LABEL_0", "LABEL_1"]:
+        labels = []  # (AutoConfig's stand-ins: the converter drops them)
+    if labels:
         writer.add_classifier_output_labels(labels)
     if xlmr:
         _xlmr_vocab(writer, folder, cfg.get("type_vocab_size", 1), cfg["vocab_size"])

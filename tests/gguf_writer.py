@@ -311,6 +311,3 @@ def _deepseek_layer(add, w: dict, p: str, i: int, cfg: dict) -> None:
         key = f"{p}mlp.shared_experts.{hf}.weight"
         if key in w:
             add(f"blk.{i}.ffn_{gg}_shexp.weight", w[key], key)
-
-
-# ---- BERT embedding models (llama.cpp's conversion/bert.py, BertModel) ---------------------------

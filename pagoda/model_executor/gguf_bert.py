@@ -63,17 +63,18 @@ def bert_config(meta) -> dict[str, Any]:
     if "blk.0.attn_qkv.weight" in meta.tensors and not nomic:
         raise ValueError(f"{where}: a fused attn_qkv is not supported (attn_q/k/v are).")
     pooling = int(meta.get("pooling_type", 0))
-    ranks = "cls.output.weight" in meta.tensors  # a cross-encoder's classifier
-    if pooling not in (0, *_POOLING_TYPES) and not (pooling == _RANK and ranks):
+    head = {"cls.weight", "cls.output.weight"} & set(meta.tensors)  # a cross-encoder's
+    if pooling not in (0, *_POOLING_TYPES) and not (pooling == _RANK and head):
         raise ValueError(
             f"{where}: {meta.arch}.pooling_type {pooling} is not supported (1 mean, 2 cls, 3 "
             "last; 4, rank, with a classifier: cls and cls.output)."
         )
-    if (ranks or "cls.weight" in meta.tensors) and not (ranks and "cls.weight" in meta.tensors):
+    if head and (len(head) < 2 or vocab_kind != "t5"):
         raise ValueError(
-            f"{where}: a classifier needs both cls (the dense layer before tanh) and cls.output; "
-            "llama.cpp's converter drops a BertForSequenceClassification's pooler (its cls), "
-            "so such a file cannot score as the model does (its Hugging Face folder can)."
+            f"{where}: a classifier is read as XLM-R's (a 't5' vocabulary, cls the dense "
+            "layer before tanh and cls.output); llama.cpp's converter drops a "
+            "BertForSequenceClassification's pooler (its cls), so such a file cannot score "
+            "as the model does (its Hugging Face folder can)."
         )
 
     def rows(name: str, default: int) -> int:
@@ -108,8 +109,8 @@ def bert_config(meta) -> dict[str, Any]:
         )  # fmt: skip
     if vocab_kind == "t5":  # XLM-R: its position table was cut to start at 0
         config.update(architectures=["XLMRobertaModel"], model_type="xlm-roberta", position_offset=0)  # fmt: skip
-    if ranks:  # (XLM-)RoBERTa's head: cls is its dense layer, cls.output its out_proj
-        config["architectures"] = [config["architectures"][0].replace("Model", "ForSequenceClassification")]  # fmt: skip
+    if head:  # XLM-R's: cls is its dense layer, cls.output its out_proj
+        config["architectures"] = ["XLMRobertaForSequenceClassification"]
         config["num_labels"] = rows("cls.output.weight", 1)
         labels = meta.get("classifier.output_labels")
         if labels and len(labels) == config["num_labels"]:

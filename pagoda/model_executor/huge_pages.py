@@ -12,8 +12,8 @@ PyTorch's allocator advises only under THP_MEM_ALLOC_ENABLE=1, read once at its 
 allocation (before pagoda could set it), and weights made from NumPy arrays (GGUF
 blocks) never come from it. So pagoda copies the model's tensors, once loaded, into
 one advised arena of its own (`move_to_huge_pages`), and allocates the KV cache in one
-(`huge_page_zeros`, resident as it is written). Where the kernel has no transparent huge pages ("never", or not
-Linux) nothing moves.
+(`huge_page_zeros`, resident as it is written). Where the kernel has no transparent
+huge pages ("never", or not Linux) nothing moves.
 """
 
 from __future__ import annotations
