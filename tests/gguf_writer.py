@@ -198,11 +198,20 @@ def _deepseek_keys(writer, cfg: dict) -> None:
         writer.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * rp["mscale_all_dim"])
 
 
-def write_gguf(path: str, folder: str, qtype: str | None = None, fuse_qkv: bool = False) -> str:
+def write_gguf(
+    path: str,
+    folder: str,
+    qtype: str | None = None,
+    fuse_qkv: bool = False,
+    reranker: tuple[int, int, str] | None = None,
+) -> str:
     """The HF folder's tiny model as llama.cpp's converter would write it; 2-D weights
     in `qtype` (a GGUF block type such as "Q8_0") where their rows fit its blocks;
-    `fuse_qkv`: q, k and v as one attn_qkv (--fuse-qkv: after q/k are permuted)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    `fuse_qkv`: q, k and v as one attn_qkv (--fuse-qkv: after q/k are permuted).
+    `reranker` (the ids of "yes" and "no", the prompt template): a Qwen3-Reranker as
+    the converter writes one (conversion/qwen.py): the LM head cut to those two rows
+    as cls.output, rank pooling, the labels, and the template as "rerank"."""
+    from gguf import GGMLQuantizationType, GGUFWriter, PoolingType
     from gguf.quants import quantize
     from safetensors.torch import load_file
 
@@ -235,7 +244,14 @@ def write_gguf(path: str, folder: str, qtype: str | None = None, fuse_qkv: bool 
 
     add("token_embd.weight", w["model.embed_tokens.weight"], "model.embed_tokens.weight")
     add("output_norm.weight", w["model.norm.weight"], "model.norm.weight")
-    if "lm_head.weight" in w and arch != "gemma2":
+    if reranker is not None:
+        yes, no, template = reranker
+        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        add("cls.output.weight", head[[yes, no]], "score.weight")
+        writer.add_pooling_type(PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_chat_template([{"name": "rerank", "template": template}])
+    elif "lm_head.weight" in w and arch != "gemma2":
         add("output.weight", w["lm_head.weight"], "lm_head.weight")
     rope = cfg.get("rope_parameters") or {}
     if arch == "phi3" and rope.get("long_factor"):

@@ -97,6 +97,10 @@ class PoolingInputs:
             text, token_ids, types = None, list(ids[:truncate] if truncate else ids), None
         elif isinstance(prompt, str):
             check_text(prompt, "prompt")
+            template = self.model_config.hf_config.get("rerank_template")
+            if pair is not None and template:  # a GGUF reranker's: the pair in one text
+                prompt = template.replace("{query}", prompt).replace("{document}", pair)
+                pair = None
             enc = self.tokenizer(prompt, pair, truncation=truncate is not None, max_length=truncate)
             text, token_ids, types = prompt, enc["input_ids"], enc.get("token_type_ids")
         else:

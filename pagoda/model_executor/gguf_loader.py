@@ -97,7 +97,12 @@ _EXPERT_NAMES = {
     "ffn_down_exps": "w2",
     "ffn_gate_up_exps": "gate_up",  # --fuse-gate-up-exps: gate then up, per expert
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "cls.output": "score",  # a reranker's head (see _reranker)
+}
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,25 @@ def gguf_config(reader) -> dict[str, Any]:
         "eos_token_id": meta.fields.get("tokenizer.ggml.eos_token_id"),
     }
     config.update(arch.config(meta))
+    if "cls.output.weight" in meta.tensors:
+        config.update(_reranker(meta))
     return config
+
+
+def _reranker(meta: _Meta) -> dict[str, Any]:
+    """Qwen3-Reranker as llama.cpp's converter writes it: the LM head cut to the rows of
+    "yes" and "no" (cls.output, in that order), and a prompt template for the pairs.
+    Read as Qwen3ForSequenceClassification with the rows swapped on loading (see
+    iter_gguf_weights), so that a pair's score, label 1's probability, is P("yes") as
+    llama.cpp and the model card compute it."""
+    labels = meta.get("classifier.output_labels")
+    if meta.arch != "qwen3" or labels != ["yes", "no"]:
+        return {"architectures": [f"gguf:{meta.arch} with a classifier head (cls.output)"]}
+    return {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "id2label": {0: "no", 1: "yes"},
+        "rerank_template": meta.fields.get("tokenizer.chat_template.rerank"),
+    }
 
 
 def _hf_name(name: str, arch: _Arch) -> str | None:
@@ -418,6 +441,8 @@ def iter_gguf_weights(
         if name is None:
             continue  # rope_freqs, rope_factors_*: read into the config
         order = _rope_order(name, hf_config) if arch and arch.permuted_qk else None
+        if name == "score.weight":
+            order = np.array([1, 0])  # llama.cpp's [yes, no] as [no, yes] (see _reranker)
         stacked = "{}" in name  # experts: one weight each, as Hugging Face names them
         joined = name.endswith((".k_b.weight", ".v_b.weight"))
         if (

@@ -154,3 +154,55 @@ def test_reranker_requests_batch_with_each_other_and_free_their_blocks(folders):
 def test_bad_overrides_are_refused_by_name(folders, overrides, match):
     with pytest.raises(ValueError, match=match):
         LLM(folders["qwen3"], dtype="float32", hf_overrides=overrides)
+
+
+# Qwen3-Reranker's prompt, from its model card (llama.cpp's converter stores it as the
+# file's "rerank" template).
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the "
+    'Query and the Instruct provided. Note that the answer can only be "yes" or "no".'
+    "<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant "
+    "passages that answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+@pytest.mark.parametrize("qtype, atol", [(None, 1e-5), ("Q8_0", 2e-2)])
+def test_qwen3_reranker_gguf_scores_as_the_card(folders, tmp_path, qtype, atol):
+    """A Qwen3-Reranker GGUF file as llama.cpp's converter writes it (the LM head cut to
+    the rows of "yes" and "no", the pair filled into the file's rerank template): a
+    pair's score is P("yes") of the causal LM on the filled template, softmax over the
+    two tokens' logits, as the model card computes it with transformers."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from tests.gguf_writer import write_gguf
+
+    folder, yes, no = folders["qwen3"], 100, 101
+    path = write_gguf(str(tmp_path / "r.gguf"), folder, qtype, reranker=(yes, no, RERANK_TEMPLATE))
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=1 << 24)
+    assert llm.llm_engine.model_config.tasks == {"classify", "score"}
+    got = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+
+    model = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    texts = [RERANK_TEMPLATE.replace("{query}", QUERY).replace("{document}", d) for d in DOCUMENTS]
+    with torch.inference_mode():
+        logits = torch.stack([model(**tok(t, return_tensors="pt")).logits[0, -1] for t in texts])
+    expected = logits[:, [yes, no]].softmax(-1)[:, 0].numpy()
+    assert expected.std() > 0.01  # the documents score apart
+    np.testing.assert_allclose(got, expected, atol=atol)
+    if qtype is None:
+        assert np.argsort(got).tolist() == np.argsort(expected).tolist()
+    probs = [o.outputs.probs for o in llm.classify(DOCUMENTS[:2], use_tqdm=False)]
+    assert np.allclose(np.sum(probs, 1), 1) and len(probs[0]) == 2
+
+
+def test_a_decoder_gguf_with_another_classifier_head_is_refused(folders, tmp_path):
+    """llama.cpp reads cls.output of a decoder as Qwen3-Reranker's yes/no rows alone;
+    any other decoder with such a head is refused by name, not served as a causal LM."""
+    from tests.gguf_writer import write_gguf
+
+    path = write_gguf(str(tmp_path / "l.gguf"), make_model(str(tmp_path / "llama"), "llama"),
+                      reranker=(100, 101, RERANK_TEMPLATE))  # fmt: skip
+    with pytest.raises(ValueError, match=r"llama with a classifier head \(cls.output\)"):
+        LLM(path, dtype="float32")
