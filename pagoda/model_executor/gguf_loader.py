@@ -9,10 +9,9 @@ What the converter changed, and is undone here, by architecture:
   local rope base in HF's form (llama.cpp's runtime rules, rebuilt here);
 - phi3: q/k/v and gate/up kept fused (the loader takes them apart);
 - deepseek2: kv_b_proj split into k_b (transposed) and v_b; MLA's sizes under
-  *_mla keys; the key/value heads written as 1.
-- bert, nomic-bert (encoders: BertModel's and NomicBertModel's names, their own config;
-  see gguf_bert.py): nothing
-  changed in the weights; its WordPiece vocabulary respelled (gguf_tokenizer.py).
+  *_mla keys; the key/value heads written as 1;
+- qwen3 rerankers: the LM head cut to two rows, "yes" then "no" (see _reranker);
+- bert, nomic-bert: see gguf_bert.py.
 """
 
 from __future__ import annotations
@@ -97,12 +96,8 @@ _EXPERT_NAMES = {
     "ffn_down_exps": "w2",
     "ffn_gate_up_exps": "gate_up",  # --fuse-gate-up-exps: gate then up, per expert
 }
-_TOP_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "cls.output": "score",  # a reranker's head (see _reranker)
-}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_NAMES["cls.output"] = "score"  # a reranker's head (see _reranker)
 
 
 @dataclass(frozen=True)
@@ -258,9 +253,7 @@ def _deepseek2(meta: _Meta) -> dict[str, Any]:
         "n_group": groups,
         "topk_group": int(meta.get("expert_group_used_count", 1) or 1),
         "scoring_func": "sigmoid" if sigmoid else "softmax",
-        "topk_method": "noaux_tc"
-        if sigmoid
-        else ("group_limited_greedy" if groups > 1 else "greedy"),
+        "topk_method": "noaux_tc" if sigmoid else ("group_limited_greedy", "greedy")[groups == 1],
         "rope_interleave": True,
     }
     if meta.get("rope.scaling.type") == "yarn":
@@ -356,11 +349,9 @@ def gguf_config(reader) -> dict[str, Any]:
 
 
 def _reranker(meta: _Meta) -> dict[str, Any]:
-    """Qwen3-Reranker as llama.cpp's converter writes it: the LM head cut to the rows of
-    "yes" and "no" (cls.output, in that order), and a prompt template for the pairs.
-    Read as Qwen3ForSequenceClassification with the rows swapped on loading (see
-    iter_gguf_weights), so that a pair's score, label 1's probability, is P("yes") as
-    llama.cpp and the model card compute it."""
+    """Qwen3-Reranker as llama.cpp's converter writes it (the LM head cut to the rows of
+    "yes" and "no", and a template for the pairs), as Qwen3ForSequenceClassification with
+    the rows swapped: a pair's score, label 1's probability, is P("yes") as in llama.cpp."""
     labels = meta.get("classifier.output_labels")
     if meta.arch != "qwen3" or labels != ["yes", "no"]:
         return {"architectures": [f"gguf:{meta.arch} with a classifier head (cls.output)"]}
