@@ -234,6 +234,7 @@ def _deepseek2(meta: _Meta) -> dict[str, Any]:
         name.endswith("exp_probs_b.bias") for name in meta.tensors
     )
     groups = int(meta.get("expert_group_count", 1) or 1)
+    topk = "group_limited_greedy" if groups > 1 else "greedy"
     out = {
         "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
         "num_key_value_heads": heads,
@@ -253,7 +254,7 @@ def _deepseek2(meta: _Meta) -> dict[str, Any]:
         "n_group": groups,
         "topk_group": int(meta.get("expert_group_used_count", 1) or 1),
         "scoring_func": "sigmoid" if sigmoid else "softmax",
-        "topk_method": "noaux_tc" if sigmoid else ("group_limited_greedy", "greedy")[groups == 1],
+        "topk_method": "noaux_tc" if sigmoid else topk,
         "rope_interleave": True,
     }
     if meta.get("rope.scaling.type") == "yarn":
@@ -352,8 +353,7 @@ def _reranker(meta: _Meta) -> dict[str, Any]:
     """Qwen3-Reranker as llama.cpp's converter writes it (the LM head cut to the rows of
     "yes" and "no", and a template for the pairs), as Qwen3ForSequenceClassification with
     the rows swapped: a pair's score, label 1's probability, is P("yes") as in llama.cpp."""
-    labels = meta.get("classifier.output_labels")
-    if meta.arch != "qwen3" or labels != ["yes", "no"]:
+    if meta.arch != "qwen3" or meta.get("classifier.output_labels") != ["yes", "no"]:
         return {"architectures": [f"gguf:{meta.arch} with a classifier head (cls.output)"]}
     return {
         "architectures": ["Qwen3ForSequenceClassification"],

@@ -197,7 +197,7 @@ def test_qwen3_reranker_gguf_scores_as_the_card(folders, tmp_path, qtype, atol):
     assert np.allclose(np.sum(probs, 1), 1) and len(probs[0]) == 2
 
 
-def test_a_decoder_gguf_with_another_classifier_head_is_refused(folders, tmp_path):
+def test_a_decoder_gguf_with_another_classifier_head_is_refused(tmp_path):
     """llama.cpp reads cls.output of a decoder as Qwen3-Reranker's yes/no rows alone;
     any other decoder with such a head is refused by name, not served as a causal LM."""
     from tests.gguf_writer import write_gguf
