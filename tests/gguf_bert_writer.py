@@ -3,7 +3,9 @@ convert_hf_to_gguf.py does (its conversion/bert.py): BERT embedding models and
 cross-encoders as BertModel writes them (the WordPiece vocabulary respelled as a "bert"
 one; the pooler dropped), Nomic BERT as its subclass does, XLM-R as XLMRobertaModel does
 (SentencePiece's Unigram as a "t5" vocabulary with its precompiled map, the position
-table cut to start after the padding id, the classifier head as cls and cls.output).
+table cut to start after the padding id, the classifier head as cls and cls.output),
+RoBERTa as RobertaModel does (the same, its byte-level BPE as a "gpt2" vocabulary with
+its merges).
 """
 
 from __future__ import annotations
@@ -95,6 +97,29 @@ def _xlmr_vocab(writer, folder: str, type_vocab_size: int, vocab_size: int) -> N
     SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
 
 
+def _gpt2_vocab(writer, folder: str, type_vocab_size: int, vocab_size: int) -> None:
+    """RoBERTa's byte-level BPE as _set_vocab_gpt2 writes it (get_vocab_base): each id's
+    token as the tokenizer spells it, the special ones CONTROL, other added ones
+    USER_DEFINED, ids it lacks "[PAD<i>]" (UNUSED); the merges and special ids by
+    SpecialVocab; the pre-tokenizer's name as the converter's hash finds RoBERTa's."""
+    from gguf import SpecialVocab, TokenType
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [TokenType.UNUSED if i not in by_id
+             else (TokenType.CONTROL if added[i].special else TokenType.USER_DEFINED) if i in added
+             else TokenType.NORMAL for i in range(vocab_size)]  # fmt: skip
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("roberta-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+    writer.add_token_type_count(type_vocab_size)
+
+
 def write_bert_vocab_gguf(path: str, folder: str) -> str:
     """Only a BERT tokenizer folder's vocabulary (the converter's --vocab-only)."""
     from gguf import GGUFWriter
@@ -115,8 +140,8 @@ def write_bert_gguf(
     pooling_type, or `pooling`), tensors under gguf-py's BERT names (its TensorNameMap,
     as the converter maps them; no pooler), 1-D tensors, norms, the position and
     token-type tables in F32, the other matrices in `qtype` ("F16", or a GGUF block
-    type such as "Q8_0"). An XLM-R folder (or its cross-encoder) as XLMRobertaModel
-    writes it (see the module's doc); a BERT cross-encoder without its pooler, its
+    type such as "Q8_0"). An XLM-R or RoBERTa folder (or its cross-encoder) as
+    XLMRobertaModel or RobertaModel writes it (see the module's doc); a BERT cross-encoder without its pooler, its
     classifier as cls.output. A Nomic BERT folder in Nomic's original spelling (see
     nomic_folder(..., "original"); the converter reads that one) as "nomic-bert": n_ctx 2048
     and the rotary base added, q/k/v fused as Wqkv is."""
@@ -134,9 +159,9 @@ def write_bert_gguf(
                "type_vocab_size": cfg["type_vocab_size"], "rope_theta": cfg["rotary_emb_base"]}  # fmt: skip
     weights = load_file(os.path.join(folder, "model.safetensors"))
     writer = GGUFWriter(path, "nomic-bert" if nomic else "bert")
-    # XLM-R: positions start after the padding id's row; the table is cut to start there.
-    xlmr = cfg.get("model_type") == "xlm-roberta"
-    cut = cfg["pad_token_id"] + 1 if xlmr else 0
+    # (XLM-)RoBERTa: positions start after the padding id's row; the table is cut to start there.
+    xlmr, roberta = cfg.get("model_type") == "xlm-roberta", cfg.get("model_type") == "roberta"
+    cut = cfg["pad_token_id"] + 1 if xlmr or roberta else 0
     writer.add_context_length(cfg["max_position_embeddings"] - cut)
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -156,6 +181,8 @@ def write_bert_gguf(
         writer.add_classifier_output_labels(labels)
     if xlmr:
         _xlmr_vocab(writer, folder, cfg.get("type_vocab_size", 1), cfg["vocab_size"])
+    elif roberta:
+        _gpt2_vocab(writer, folder, cfg.get("type_vocab_size", 1), cfg["vocab_size"])
     else:
         _bert_vocab(writer, folder, cfg.get("type_vocab_size", 1))
     arch = MODEL_ARCH.NOMIC_BERT if nomic else MODEL_ARCH.BERT
@@ -164,7 +191,7 @@ def write_bert_gguf(
         hf_name = hf_name.removeprefix("bert.").removeprefix("roberta.")
         if hf_name.startswith("pooler.") or hf_name.endswith("position_ids"):
             continue  # (a BERT cross-encoder's pooler too: the converter drops it)
-        if labels and hf_name.startswith("classifier.") and not xlmr:  # BERT's one layer
+        if labels and hf_name in ("classifier.weight", "classifier.bias"):  # BERT's one layer
             hf_name = hf_name.replace("classifier.", "classifier.out_proj.")
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name

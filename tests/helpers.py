@@ -512,10 +512,19 @@ ENCODER_TEXTS = [
 
 def make_encoder_tokenizer(folder: str, kind: str):
     """A tokenizer trained here and saved into folder: BERT's WordPiece ("wordpiece",
-    [CLS] A [SEP] B [SEP], B of token type 1) or XLM-R's Unigram ("unigram", NFKC's
-    precompiled map, <s> A </s></s> B </s>)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertTokenizerFast, XLMRobertaTokenizer
+    [CLS] A [SEP] B [SEP], B of token type 1), XLM-R's Unigram ("unigram", NFKC's
+    precompiled map, <s> A </s></s> B </s>) or RoBERTa's byte-level BPE ("bpe", the
+    same ends, <mask> taking the space before it)."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import BertTokenizerFast, RobertaTokenizerFast, XLMRobertaTokenizer
 
     corpus = ENCODER_TEXTS * 20
     if kind == "wordpiece":
@@ -533,6 +542,17 @@ def make_encoder_tokenizer(folder: str, kind: str):
         )  # fmt: skip
         fast = BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                  cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")  # fmt: skip
+    elif kind == "bpe":  # as RoBERTa's: fairseq's ids first, GPT-2's byte-level BPE
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.train_from_iterator(corpus, trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ))  # fmt: skip
+        model = json.loads(tok.to_str())["model"]
+        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+        fast = RobertaTokenizerFast(vocab=model["vocab"], merges=merges)
+        fast.add_special_tokens({"mask_token": AddedToken("<mask>", lstrip=True, special=True)})
     else:  # as XLM-R's: SentencePiece's Unigram with NFKC's precompiled map, realigned
         # to fairseq's ids (<s> <pad> </s> <unk>, the pieces, <mask>) as transformers does
         import io
@@ -558,13 +578,14 @@ def make_encoder_tokenizer(folder: str, kind: str):
 
 
 def make_encoder(folder: str, arch: str, num_labels: int | None = None, **overrides) -> str:
-    """A tiny random encoder saved into folder: "bert", "modernbert" or "nomic" (WordPiece) or
-    "xlm-roberta" (Unigram); with `num_labels`, its cross-encoder
+    """A tiny random encoder saved into folder: "bert", "modernbert" or "nomic" (WordPiece),
+    "xlm-roberta" (Unigram) or "roberta" (byte-level BPE); with `num_labels`, its cross-encoder
     (…ForSequenceClassification). ModernBERT's local layers see 4 tokens on either side,
     so prompts are longer than their window."""
     import transformers as t
 
-    tokenizer = make_encoder_tokenizer(folder, "unigram" if arch == "xlm-roberta" else "wordpiece")
+    kind = {"xlm-roberta": "unigram", "roberta": "bpe"}.get(arch, "wordpiece")
+    tokenizer = make_encoder_tokenizer(folder, kind)
     if arch == "modernbert":
         config = t.ModernBertConfig(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -600,11 +621,12 @@ def make_encoder(folder: str, arch: str, num_labels: int | None = None, **overri
         vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=130, initializer_range=0.2,
     )  # fmt: skip
-    if arch == "xlm-roberta":
+    if arch in ("xlm-roberta", "roberta"):
         config.update(pad_token_id=tokenizer.pad_token_id, type_vocab_size=1)
     config.update(overrides)
     names = {"bert": ("BertConfig", "BertModel", "BertForSequenceClassification"),
-             "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForSequenceClassification")}  # fmt: skip
+             "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForSequenceClassification"),
+             "roberta": ("RobertaConfig", "RobertaModel", "RobertaForSequenceClassification")}  # fmt: skip
     config_cls, model_cls, classifier_cls = (getattr(t, n) for n in names[arch])
     torch.manual_seed(0)
     if num_labels is None:

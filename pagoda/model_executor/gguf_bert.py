@@ -1,7 +1,7 @@
 """GGUF files of BERT embedding models as llama.cpp's converter writes them (all-MiniLM,
 bge, e5, ...; `general.architecture` bert; nomic-embed-text: nomic-bert), and of XLM-R
-ones (bge-m3, multilingual-e5; the bge-reranker cross-encoders, their head as cls and
-cls.output): their config from llama.cpp's keys, their tensors under BertModel's
+and RoBERTa ones (bge-m3, multilingual-e5, all-distilroberta; the bge-reranker and
+RoBERTa cross-encoders, their head as cls and cls.output): their config from llama.cpp's keys, their tensors under BertModel's
 (NomicBertModel's) names. BERT's tensors are written one to one, norms and
 biases in F32, the position and token-type tables always F32, the other matrices in
 the file's type (quantized blocks kept as blocks, as gguf_loader keeps a decoder's).
@@ -44,6 +44,8 @@ _NOMIC_LAYER = {
 # absent key leave the family's default, the [CLS] token; 4 (rank) is a classifier's.
 _POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 _RANK = 4
+# A BERT-architecture file's vocabulary -> the RoBERTa it came from (class prefix, model_type).
+_ROBERTAS = {"t5": ("XLMRoberta", "xlm-roberta"), "gpt2": ("Roberta", "roberta")}
 
 
 def bert_config(meta) -> dict[str, Any]:
@@ -52,11 +54,11 @@ def bert_config(meta) -> dict[str, Any]:
     nomic = meta.arch == "nomic-bert"
     where = f"GGUF {meta.arch} file"
     vocab_kind = meta.fields.get("tokenizer.ggml.model")
-    if vocab_kind not in ("bert", "t5") or (nomic and vocab_kind != "bert"):
+    if vocab_kind not in ("bert", "t5", "gpt2") or (nomic and vocab_kind != "bert"):
         raise ValueError(
             f"{where}: tokenizer.ggml.model {vocab_kind!r} is not supported; BERT's WordPiece "
-            "('bert') and XLM-R's SentencePiece Unigram ('t5') are (RoBERTa's byte-level "
-            "BPE, 'gpt2', is not)."
+            "('bert'), XLM-R's SentencePiece Unigram ('t5') and RoBERTa's byte-level BPE "
+            "('gpt2') are."
         )
     if meta.get("attention.causal", False):
         raise ValueError(f"{where}: {meta.arch}.attention.causal is true; BERT attends both ways.")  # fmt: skip
@@ -69,10 +71,10 @@ def bert_config(meta) -> dict[str, Any]:
             f"{where}: {meta.arch}.pooling_type {pooling} is not supported (1 mean, 2 cls, 3 "
             "last; 4, rank, with a classifier: cls and cls.output)."
         )
-    if head and (len(head) < 2 or vocab_kind != "t5"):
+    if head and (len(head) < 2 or vocab_kind == "bert"):
         raise ValueError(
-            f"{where}: a classifier is read as XLM-R's (a 't5' vocabulary, cls the dense "
-            "layer before tanh and cls.output); llama.cpp's converter drops a "
+            f"{where}: a classifier is read as (XLM-)RoBERTa's (a 't5' or 'gpt2' vocabulary, "
+            "cls the dense layer before tanh and cls.output); llama.cpp's converter drops a "
             "BertForSequenceClassification's pooler (its cls), so such a file cannot score "
             "as the model does (its Hugging Face folder can)."
         )
@@ -107,10 +109,11 @@ def bert_config(meta) -> dict[str, Any]:
             max_position_embeddings=int(meta.get("context_length", 2048)),
             rope_parameters={"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 1000.0))},
         )  # fmt: skip
-    if vocab_kind == "t5":  # XLM-R: its position table was cut to start at 0
-        config.update(architectures=["XLMRobertaModel"], model_type="xlm-roberta", position_offset=0)  # fmt: skip
-    if head:  # XLM-R's: cls is its dense layer, cls.output its out_proj
-        config["architectures"] = ["XLMRobertaForSequenceClassification"]
+    if vocab_kind in _ROBERTAS:  # its position table was cut to start at 0
+        kind, model_type = _ROBERTAS[vocab_kind]
+        config.update(architectures=[f"{kind}Model"], model_type=model_type, position_offset=0)
+    if head:  # (XLM-)RoBERTa's: cls is its dense layer, cls.output its out_proj
+        config["architectures"] = [f"{kind}ForSequenceClassification"]
         config["num_labels"] = rows("cls.output.weight", 1)
         labels = meta.get("classifier.output_labels")
         if labels and len(labels) == config["num_labels"]:

@@ -420,7 +420,7 @@ def iter_gguf_weights(
 
     reader = gguf_reader(path)
     model_type = hf_config["model_type"]
-    encoder = model_type in ("bert", "xlm-roberta", "nomic_bert")
+    encoder = model_type in ("bert", "roberta", "xlm-roberta", "nomic_bert")
     arch = None if encoder else _ARCHS[model_type]  # (encoders': bert_name)
     k_b: dict[str, np.ndarray] = {}  # DeepSeek's k_b, until its v_b comes
     for tensor in reader.tensors:

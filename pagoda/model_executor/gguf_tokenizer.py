@@ -13,6 +13,10 @@ which the model was trained with, is followed here.)
 
 XLM-R's SentencePiece Unigram (`"t5"`: bge-m3, multilingual-e5, bge-reranker): the
 pieces, their scores and the precompiled normalization map are kept as they were.
+
+RoBERTa's byte-level BPE (`"gpt2"` in a BERT file: all-distilroberta, the RoBERTa
+cross-encoders): the tokens (as GPT-2's byte alphabet spells them) and merges are
+kept as they were.
 """
 
 from __future__ import annotations
@@ -142,3 +146,26 @@ def unigram_tokenizer(path: str):
     tok.decoder = decoders.Metaspace(replacement=_PHANTOM, prepend_scheme=prepend)
     pair = "{first} $A {sep} {sep} $B {sep}"
     return v.tokenizer(tok, v.tokens, ids, pair, ["input_ids", "attention_mask"])
+
+
+def bpe_tokenizer(path: str):
+    """The Hugging Face tokenizer of a BERT file's RoBERTa vocabulary, built as
+    transformers' RobertaTokenizer builds it: GPT-2's byte-level pre-tokenizer (no
+    prefix space) and BPE over the tokens and merges, <s> A </s> and <s> A </s></s> B
+    </s>, <mask> taking the space before it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    v = _Vocabulary(path, "BPE")
+    merges = [tuple(m.split(" ", 1)) for m in v.field("merges") or ()]
+    if not merges:
+        raise ValueError("the GGUF file's BPE vocabulary has no merges (tokenizer.ggml.merges).")
+    vocab = {t: i for i, t in reversed(list(enumerate(v.tokens)))}  # (a repeat: its first id)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    ids, mask = v.ends(v.special("unknown")), v.special("mask")
+    pair = "{first} $A {sep} {sep} $B {sep}"
+    fast = v.tokenizer(tok, v.tokens, ids, pair, ["input_ids", "attention_mask"])
+    if mask is not None:  # (RobertaTokenizer's: " <mask>" is the mask alone)
+        fast.add_special_tokens({"mask_token": AddedToken(v.tokens[mask], lstrip=True, special=True, normalized=False)})  # fmt: skip
+    return fast

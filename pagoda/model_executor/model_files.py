@@ -79,7 +79,11 @@ def _gguf_tokenizer(path: str):
     config with the gguf package's reader (9 s for SmolLM2's 49,152-token vocabulary on
     a slow CPU; the vocabulary alone takes under 1 s)."""
     from pagoda.model_executor.gguf_file import string_field
-    from pagoda.model_executor.gguf_tokenizer import unigram_tokenizer, wordpiece_tokenizer
+    from pagoda.model_executor.gguf_tokenizer import (
+        bpe_tokenizer,
+        unigram_tokenizer,
+        wordpiece_tokenizer,
+    )
 
     arch, vocab = (
         string_field(path, "general.architecture"),
@@ -89,6 +93,8 @@ def _gguf_tokenizer(path: str):
         return wordpiece_tokenizer(path)  # (BERT's respelled WordPiece: not transformers')
     if arch == "bert" and vocab == "t5":
         return unigram_tokenizer(path)  # (XLM-R's: transformers reads only T5's)
+    if arch == "bert" and vocab == "gpt2":
+        return bpe_tokenizer(path)  # (RoBERTa's: transformers reads no BERT file)
     from transformers import TokenizersBackend
     from transformers.models.auto.tokenization_auto import (
         TOKENIZER_MAPPING_NAMES,

@@ -147,21 +147,21 @@ def test_gguf_bert_embeddings_equal_sentence_transformers(files, name, bound):
 
 
 def test_gguf_bert_refusals_name_what_is_not_served(files, tmp_path):
-    """A reranker's file (pooling_type rank) and files of a vocabulary other than BERT's
-    are refused at configuration, by what they are."""
+    """A reranker's file (pooling_type rank) and files of a vocabulary other than BERT's,
+    XLM-R's or RoBERTa's are refused at configuration, by what they are."""
     from gguf import GGUFWriter
 
     folder, _ = files["mean"]
     rank = write_bert_gguf(str(tmp_path / "rank.gguf"), folder, pooling=4)
     with pytest.raises(ValueError, match="pooling_type 4"):
         EngineArgs(rank).create_model_config()
-    writer = GGUFWriter(str(tmp_path / "roberta.gguf"), "bert")  # RoBERTa's BPE, say
-    writer.add_tokenizer_model("gpt2")
+    writer = GGUFWriter(str(tmp_path / "other.gguf"), "bert")  # SentencePiece's BPE, say
+    writer.add_tokenizer_model("llama")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="tokenizer.ggml.model 'gpt2'"):
-        EngineArgs(str(tmp_path / "roberta.gguf")).create_model_config()
+    with pytest.raises(ValueError, match="tokenizer.ggml.model 'llama'"):
+        EngineArgs(str(tmp_path / "other.gguf")).create_model_config()
 
 
 def test_nomic_bert_spellings_and_gguf_equal_sentence_transformers(tmp_path, monkeypatch):
