@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -99,10 +100,11 @@ class PoolingInputs:
             check_text(prompt, "prompt")
             template = self.model_config.hf_config.get("rerank_template")
             if pair is not None and template:  # a GGUF reranker's: the pair in one text
-                prompt = template.replace("{query}", prompt).replace("{document}", pair)
-                pair = None
-            enc = self.tokenizer(prompt, pair, truncation=truncate is not None, max_length=truncate)
-            text, token_ids, types = prompt, enc["input_ids"], enc.get("token_type_ids")
+                text, token_ids = self._fill(template, prompt, pair, truncate)
+                types = pair = None
+            else:
+                enc = self.tokenizer(prompt, pair, truncation=truncate is not None, max_length=truncate)  # fmt: skip
+                text, token_ids, types = prompt, enc["input_ids"], enc.get("token_type_ids")
         else:
             fail("prompt", "must be a string, {'prompt_token_ids': [...]} or "
                  "{'text_1': ..., 'text_2': ...}", show(prompt))  # fmt: skip
@@ -118,6 +120,32 @@ class PoolingInputs:
             )
         pair_start = types.index(1) if pair is not None and types and 1 in types else None
         return text, token_ids, pair_start
+
+    def _fill(self, template: str, query: str, document: str, truncate: int | None) -> tuple[str, list[int]]:  # fmt: skip
+        """The pair filled into a reranker's template (as llama-server fills its rerank
+        prompt), tokenized. Truncation cuts the document's last tokens, then the query's,
+        never the template's: the score is read at its end."""
+        values = {"{document}": document, "{query}": query}
+        text, spans = "", {field: [] for field in values}
+        for piece in re.split(r"(\{query\}|\{document\})", template):
+            if piece in values:  # (a value is never searched again for a field's name)
+                spans[piece].append((len(text), len(text) + len(values[piece])))
+                piece = values[piece]
+            text += piece
+        enc = self.tokenizer(text, return_offsets_mapping=truncate is not None)
+        ids = enc["input_ids"]
+        if truncate is None or len(ids) <= truncate:
+            return text, ids
+        cut: list[int] = []  # the indices of the tokens cut, the document's last first
+        for field in values:
+            inside = [i for i, (start, end) in enumerate(enc["offset_mapping"])
+                      if end > start and any(a <= start and end <= b for a, b in spans[field])]  # fmt: skip
+            cut += inside[::-1][: len(ids) - truncate - len(cut)]
+        if len(ids) - len(cut) > truncate:
+            fail("truncate_prompt_tokens", f"must be at least {len(ids) - len(cut)}, the model's "
+                 "rerank template's own tokens (only the query and document are cut)", truncate)  # fmt: skip
+        gone = set(cut)
+        return text, [t for i, t in enumerate(ids) if i not in gone]
 
 
 def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:

@@ -5,6 +5,8 @@ seq-cls form), and a causal LM read by two tokens' logits through `hf_overrides`
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -195,6 +197,40 @@ def test_qwen3_reranker_gguf_scores_as_the_card(folders, tmp_path, qtype, atol):
         assert np.argsort(got).tolist() == np.argsort(expected).tolist()
     probs = [o.outputs.probs for o in llm.classify(DOCUMENTS[:2], use_tqdm=False)]
     assert np.allclose(np.sum(probs, 1), 1) and len(probs[0]) == 2
+    if qtype is None:
+        check_truncation(llm, model, tok, yes, no)
+
+
+def check_truncation(llm, model, tok, yes, no) -> None:
+    """truncate_prompt_tokens on a templated pair cuts the document's last tokens, then
+    the query's, never the template's (whose end the score is read at): the scored ids
+    are the filled template's with those tokens gone, and score as transformers scores
+    them; a limit below the template's own tokens is refused by name, with the least."""
+    query, doc = "fox " * 6, "the quick brown fox jumps over the lazy dog " * 3
+    full = tok(RERANK_TEMPLATE.replace("{query}", query).replace("{document}", doc))["input_ids"]
+    before, after = RERANK_TEMPLATE.split("{document}")
+    suffix = tok(after)["input_ids"]  # (it starts at a special token: alike alone or whole)
+    assert full[-len(suffix) :] == suffix
+
+    def scored(limit: int) -> list[int]:
+        (out,) = llm.score(query, [doc], truncate_prompt_tokens=limit, use_tqdm=False)
+        ids = out.prompt_token_ids
+        assert len(ids) == limit and ids[-len(suffix) :] == suffix
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        assert abs(out.outputs.score - logits[[yes, no]].softmax(-1)[0].item()) < 1e-5
+        return ids
+
+    assert scored(len(full) - 7) == full[: -len(suffix) - 7] + suffix  # the document's end
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens.*at least \d+") as refused:
+        llm.score(query, [doc], truncate_prompt_tokens=10, use_tqdm=False)
+    least = int(re.search(r"at least (\d+)", str(refused.value)).group(1))
+    assert least <= len(full) - 30  # the document's 27 words and the query's 6 go first
+    with pytest.raises(ValueError, match=f"at least {least}"):
+        llm.score(query, [doc], truncate_prompt_tokens=least - 1, use_tqdm=False)
+    head = tok(before.split("{query}")[0])["input_ids"]  # (its last, " ", joins the query's)
+    assert scored(least)[: len(head) - 1] == head[:-1]
+    assert llm.score(query, [doc], use_tqdm=False)[0].prompt_token_ids == full  # serves on
 
 
 def test_a_decoder_gguf_with_another_classifier_head_is_refused(tmp_path):
