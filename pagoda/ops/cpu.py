@@ -145,7 +145,17 @@ def quant_linear_max_rows(dtype: torch.dtype) -> int:
     return QUANT_LINEAR_MAX_ROWS if dtype == torch.bfloat16 else QUANT_LINEAR_MAX_ROWS_FLOAT32
 
 
-CPU_FLAGS = ("amx_tile", "amx_int8", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx_vnni")
+CPU_FLAGS = (
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx2",
+    "fma",
+    "f16c",
+)
 
 
 @functools.cache
@@ -169,10 +179,16 @@ def cpu_flags() -> dict[str, bool]:
 # (VNNI) stays ahead at every size: 1.4-1.9x bf16's GFLOP/s at 64 to 4,096 rows on
 # 384x1536, 1536x384 and 6144x2048 weights (AMD EPYC, 2 threads; benchmarks/w8a8_gemm.py),
 # so it runs them all. With neither VNNI nor AMX (AVX2 alone) oneDNN's integer GEMM is
-# 23x slower than float32's (8192x768x768: 3.9 against 90 GFLOP/s, AMD EPYC of the Zen 3
-# class, 2 threads): past the small kernel the weight is dequantized there.
+# 23x slower than float32's, so int8_linear_large runs our own there (w8a8_gemm.cpp's
+# gemm_avx2): 1.4-2.4x float32's GFLOP/s from 64 to 8,192 rows on 768x768, 768x3072,
+# 3072x768 and 2048x8192 weights (AMD EPYC of the Zen 3 class, 2 threads); past 8 rows
+# it is ahead of the small kernel too, but on the largest weights up to about 16 rows
+# (2048x8192: 2.5 against 2.2 ms at 8 rows, 4.1 against 4.7 at 16).
 INT8_SMALL_MAX_ROWS = 8
-_FAST_INT8_GEMM = cpu_flags()["avx512_vnni"] or cpu_flags()["avx_vnni"] or cpu_flags()["amx_int8"]
+_FAST_INT8_GEMM = (
+    cpu_flags()["avx512_vnni"] or cpu_flags()["avx_vnni"] or cpu_flags()["amx_int8"]
+    or all(cpu_flags()[name] for name in ("avx2", "fma", "f16c"))
+)  # fmt: skip
 W8A8_INT_MAX_ROWS = (
     256 if cpu_flags()["amx_tile"] else 1 << 62 if _FAST_INT8_GEMM else INT8_SMALL_MAX_ROWS
 )

@@ -311,7 +311,7 @@ def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])  # VNNI dot products, then oneDNN's int GEMM
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 42])  # dot products, then the integer GEMM
 def test_w8a8_linear_equals_float64(dtype, rows):
     from pagoda.model_executor.quantization import quantize_per_channel
 
@@ -320,7 +320,9 @@ def test_w8a8_linear_equals_float64(dtype, rows):
     if run is module.int8_linear_small and not module.int8_linear_small_available():
         pytest.skip("no AVX512-VNNI")
     g = torch.Generator().manual_seed(rows)
-    for n, k in ((37, 576), (70, 100), (5, 64)):  # k = 100: a tail shorter than a 64-byte load
+    # k = 100: a tail shorter than a 64-byte load; k = 102: rows of K not whole 4-byte words
+    # (AVX2's GEMM packs weights in words of 4, 8 x 8 of them at a time where whole).
+    for n, k in ((37, 576), (70, 100), (5, 64), (19, 102)):
         w = torch.randn(n, k, generator=g) * 0.05
         w[0] = 0.0  # a zero row: scale 0
         w[1, 3] = 4.0  # an outlier in a row
@@ -331,9 +333,17 @@ def test_w8a8_linear_equals_float64(dtype, rows):
         if rows > 1:
             x[1, 7] = 300.0  # a loud channel
         bias = torch.randn(n, generator=g).to(dtype)
+        qw.qs[2, 5] = -128  # (|q| of 128 meets |x| of 127 in vpmaddubsw without saturating)
         for b in (None, bias):
             got = run(x.contiguous(), qw.qs, qw.d, b)
             assert got.shape == (rows, n) and got.dtype == dtype
+            if module.int8_linear_small_available():  # exact integer sums: equal bit for bit
+                other = (
+                    module.int8_linear_large
+                    if run is module.int8_linear_small
+                    else module.int8_linear_small
+                )
+                assert torch.equal(got, other(x.contiguous(), qw.qs, qw.d, b))
             want = w8a8_reference(x, qw, b)
             tol = 2**-7 if dtype == torch.bfloat16 else 1e-5  # the output's rounding
             scale = want.abs().max().item() + 1.0
