@@ -72,6 +72,26 @@ inline float sum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+// 8 vectors of 8 int32 words transposed in place: afterwards r[j] holds word j of each.
+inline void transpose8x8(__m256i r[8]) {
+  __m256i u[8], v[8];
+  for (int c = 0; c < 8; c += 2) {
+    u[c] = _mm256_unpacklo_epi32(r[c], r[c + 1]);
+    u[c + 1] = _mm256_unpackhi_epi32(r[c], r[c + 1]);
+  }
+  for (int c = 0; c < 8; c += 4)
+    for (int h = 0; h < 2; ++h) {
+      v[c + h] = _mm256_unpacklo_epi64(u[c + h], u[c + h + 2]);
+      v[c + h + 2] = _mm256_unpackhi_epi64(u[c + h], u[c + h + 2]);
+    }
+  // v[0..3]: words (0, 4), (2, 6), (1, 5), (3, 7) of vectors 0-3 (low, high 128 bits);
+  // v[4..7]: of vectors 4-7.
+  constexpr int kWord[4] = {0, 2, 1, 3};
+  for (int j = 0; j < 4; ++j) {
+    r[kWord[j]] = _mm256_permute2x128_si256(v[j], v[j + 4], 0x20);
+    r[kWord[j] + 4] = _mm256_permute2x128_si256(v[j], v[j + 4], 0x31);
+  }
+}
 inline int32_t sum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));

@@ -206,39 +206,22 @@ constexpr int64_t kPanel = 16, kTileRows = 4;
 // padded with zeros to 4 x groups, N with zero columns. Blocks of 8 columns x 8 groups
 // (32 bytes of 8 rows) are an 8 x 8 transpose of 4-byte words; the rest word by word.
 void pack_panel(const int8_t* w, int64_t N, int64_t K, int64_t groups, int64_t p, int8_t* out) {
-  {
-    int32_t* panel = reinterpret_cast<int32_t*>(out);
-    for (int64_t c0 = 0; c0 < kPanel; c0 += 8) {
-      const int64_t n0 = p * kPanel + c0;
-      int64_t g0 = 0;
-      for (; n0 + 8 <= N && 4 * (g0 + 8) <= K; g0 += 8) {
-        __m256i r[8], u[8];
-        for (int64_t c = 0; c < 8; ++c) r[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n0 + c) * K + 4 * g0));
-        for (int64_t c = 0; c < 8; c += 2) {
-          u[c] = _mm256_unpacklo_epi32(r[c], r[c + 1]);
-          u[c + 1] = _mm256_unpackhi_epi32(r[c], r[c + 1]);
-        }
-        for (int64_t c = 0; c < 8; c += 4)
-          for (int64_t h = 0; h < 2; ++h) {
-            r[c + h] = _mm256_unpacklo_epi64(u[c + h], u[c + h + 2]);
-            r[c + h + 2] = _mm256_unpackhi_epi64(u[c + h], u[c + h + 2]);
-          }
-        // r[0..3]: columns 0-3 of groups (0, 4), (2, 6), (1, 5), (3, 7); r[4..7]: columns 4-7.
-        constexpr int64_t kGroupOf[4] = {0, 2, 1, 3};
-        for (int64_t j = 0; j < 4; ++j)
-          for (int64_t half = 0; half < 2; ++half) {
-            const __m256i words = half == 0 ? _mm256_permute2x128_si256(r[j], r[j + 4], 0x20)
-                                            : _mm256_permute2x128_si256(r[j], r[j + 4], 0x31);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + (g0 + kGroupOf[j] + 4 * half) * kPanel + c0), words);
-          }
-      }
-      for (int64_t c = 0; c < 8; ++c) {
-        const int64_t n = n0 + c;
-        for (int64_t g = g0; g < groups; ++g) {
-          int32_t word = 0;
-          if (n < N) std::memcpy(&word, w + n * K + 4 * g, std::min<int64_t>(4, K - 4 * g));
-          panel[g * kPanel + c0 + c] = word;
-        }
+  int32_t* panel = reinterpret_cast<int32_t*>(out);
+  for (int64_t c0 = 0; c0 < kPanel; c0 += 8) {
+    const int64_t n0 = p * kPanel + c0;
+    int64_t g0 = 0;
+    for (; n0 + 8 <= N && 4 * (g0 + 8) <= K; g0 += 8) {
+      __m256i r[8];
+      for (int64_t c = 0; c < 8; ++c) r[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n0 + c) * K + 4 * g0));
+      pagoda_simd::transpose8x8(r);
+      for (int64_t g = 0; g < 8; ++g) _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + (g0 + g) * kPanel + c0), r[g]);
+    }
+    for (int64_t c = 0; c < 8; ++c) {
+      const int64_t n = n0 + c;
+      for (int64_t g = g0; g < groups; ++g) {
+        int32_t word = 0;
+        if (n < N) std::memcpy(&word, w + n * K + 4 * g, std::min<int64_t>(4, K - 4 * g));
+        panel[g * kPanel + c0 + c] = word;
       }
     }
   }
