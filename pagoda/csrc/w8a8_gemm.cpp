@@ -194,12 +194,13 @@ constexpr bool kShifted = false;
 #define PAGODA_AVX2_INT8_GEMM 1
 // AVX2 alone (AMD Zen 2/3, Intel before Ice Lake): oneDNN's integer GEMM there is 23x
 // slower than float32's (8192x768x768: 3.9 against 90 GFLOP/s, AMD EPYC Zen 3 class, 2
-// threads), so the products are ours. The weight is repacked per call into panels of 16
-// columns, 4 bytes of K at a time (64 bytes: two vectors of 8 columns x 4 bytes), so that
-// an activation row's 4 bytes, broadcast, meet 16 columns in two vpmaddubsw (dot_rows's
-// sign trick: |q_w| against q_x with q_w's sign, no saturation); a tile of 4 rows x 16
-// columns keeps its 8 int32 accumulators in registers. vpmaddubsw + vpmaddwd run two
-// ports' worth where the FMA runs one: 8192x768x768 at 185 GOP/s (2 threads, same CPU).
+// threads), so the products are ours. Each thread repacks the weight, a panel of 16
+// columns at a time, 4 bytes of K at a time (64 bytes: two vectors of 8 columns x 4
+// bytes), so that an activation row's 4 bytes, broadcast, meet 16 columns in two
+// vpmaddubsw (dot_rows's sign trick: |q_w| against q_x with q_w's sign, no saturation);
+// a tile of 4 rows x 16 columns keeps its 8 int32 accumulators in registers. vpmaddubsw
+// + vpmaddwd run at twice the FMA's rate there: 1.7-1.9x float32's F.linear at 4,096 rows
+// (benchmarks/w8a8_gemm.py --dtype float32, same CPU).
 constexpr int64_t kPanel = 16, kTileRows = 4;
 
 // Panel p of w [N, K] (its columns 16p to 16p + 15) into `out`, `groups` x 64 bytes: K
