@@ -33,6 +33,7 @@ void check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sc
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
               "w must be a contiguous int8 [N, K] tensor");
   TORCH_CHECK(w.size(1) == x.size(1), "x has ", x.size(1), " columns; the weight takes ", w.size(1));
+  TORCH_CHECK(x.size(1) > 0, "x must have at least one column");
   TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
                   w_scale.size(0) == w.size(0),
               "w_scale must be a contiguous float32 [N] tensor");
@@ -206,8 +207,7 @@ constexpr int64_t kPanel = 16, kTileRows = 4;
 // Panel p of w [N, K] (its columns 16p to 16p + 15) into `out`, `groups` x 64 bytes: K
 // padded with zeros to 4 x groups, N with zero columns. Blocks of 8 columns x 8 groups
 // (32 bytes of 8 rows) are an 8 x 8 transpose of 4-byte words; the rest word by word.
-void pack_panel(const int8_t* w, int64_t N, int64_t K, int64_t groups, int64_t p, int8_t* out) {
-  int32_t* panel = reinterpret_cast<int32_t*>(out);
+void pack_panel(const int8_t* w, int64_t N, int64_t K, int64_t groups, int64_t p, int32_t* panel) {
   for (int64_t c0 = 0; c0 < kPanel; c0 += 8) {
     const int64_t n0 = p * kPanel + c0;
     int64_t g0 = 0;
@@ -265,7 +265,7 @@ void gemm_avx2(const int8_t* xq, int64_t lda, const float* sx, int64_t M, const 
   const int64_t block_rows = std::clamp<int64_t>((int64_t{256} << 10) / lda / kTileRows, 4, 128) * kTileRows;
   const int64_t row_blocks = (M + block_rows - 1) / block_rows;
   at::parallel_for(0, row_blocks * num_panels, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<int8_t> panel(groups * 4 * kPanel);
+    std::vector<int32_t> panel(groups * kPanel);
     int32_t sums[kTileRows * kPanel];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p = b % num_panels, i_end = std::min(M, (b / num_panels + 1) * block_rows);
@@ -274,10 +274,11 @@ void gemm_avx2(const int8_t* xq, int64_t lda, const float* sx, int64_t M, const 
       for (int64_t i = (b / num_panels) * block_rows; i < i_end; i += kTileRows) {
         const int64_t rows = std::min(kTileRows, i_end - i);
         const int8_t* a = xq + i * lda;
-        if (rows == 4) tile_sums<4>(a, lda, panel.data(), groups, sums);
-        else if (rows == 3) tile_sums<3>(a, lda, panel.data(), groups, sums);
-        else if (rows == 2) tile_sums<2>(a, lda, panel.data(), groups, sums);
-        else tile_sums<1>(a, lda, panel.data(), groups, sums);
+        const int8_t* bytes = reinterpret_cast<const int8_t*>(panel.data());
+        if (rows == 4) tile_sums<4>(a, lda, bytes, groups, sums);
+        else if (rows == 3) tile_sums<3>(a, lda, bytes, groups, sums);
+        else if (rows == 2) tile_sums<2>(a, lda, bytes, groups, sums);
+        else tile_sums<1>(a, lda, bytes, groups, sums);
         for (int64_t t = 0; t < rows; ++t)
           store_row(y + (i + t) * N + n0, sums + t * kPanel, sx[i + t], sw + n0, bias != nullptr ? bias + n0 : nullptr, cols);
       }

@@ -142,8 +142,9 @@ class PoolingInputs:
                       if end > start and any(a <= start and end <= b for a, b in spans[field])]  # fmt: skip
             cut += inside[::-1][: len(ids) - truncate - len(cut)]
         if len(ids) - len(cut) > truncate:
-            fail("truncate_prompt_tokens", f"must be at least {len(ids) - len(cut)}, the model's "
-                 "rerank template's own tokens (only the query and document are cut)", truncate)  # fmt: skip
+            fail("truncate_prompt_tokens", f"must be at least {len(ids) - len(cut)}: the tokens "
+                 "left with every token of the query and document cut (the model's rerank "
+                 "template is never cut)", truncate)  # fmt: skip
         gone = set(cut)
         return text, [t for i, t in enumerate(ids) if i not in gone]
 

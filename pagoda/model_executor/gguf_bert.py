@@ -113,7 +113,7 @@ def bert_config(meta) -> dict[str, Any]:
         kind, model_type = _ROBERTAS[vocab_kind]
         config.update(architectures=[f"{kind}Model"], model_type=model_type, position_offset=0)
     if head:  # (XLM-)RoBERTa's: cls is its dense layer, cls.output its out_proj
-        config["architectures"] = [f"{kind}ForSequenceClassification"]
+        config["architectures"] = [f"{_ROBERTAS[vocab_kind][0]}ForSequenceClassification"]
         config["num_labels"] = rows("cls.output.weight", 1)
         labels = meta.get("classifier.output_labels")
         if labels and len(labels) == config["num_labels"]:

@@ -180,10 +180,10 @@ def cpu_flags() -> dict[str, bool]:
 # 384x1536, 1536x384 and 6144x2048 weights (AMD EPYC, 2 threads; benchmarks/w8a8_gemm.py),
 # so it runs them all. With neither VNNI nor AMX (AVX2 alone) oneDNN's integer GEMM is
 # 23x slower than float32's, so int8_linear_large runs our own there (w8a8_gemm.cpp's
-# gemm_avx2): 1.4-2.4x float32's GFLOP/s from 64 to 8,192 rows on 768x768, 768x3072,
-# 3072x768 and 2048x8192 weights (AMD EPYC of the Zen 3 class, 2 threads); past 8 rows
-# it is ahead of the small kernel too, but on the largest weights up to about 16 rows
-# (2048x8192: 2.5 against 2.2 ms at 8 rows, 4.1 against 4.7 at 16).
+# gemm_avx2): 1.2-4.3x float32's F.linear from 64 to 4,096 rows on five shapes (AMD EPYC
+# of the Zen 3 class, 2 threads; benchmarks/w8a8_gemm.py --dtype float32). Past 8 rows it
+# is ahead of the small kernel too, but for the largest weights, up to about 16 rows (a
+# scratch timing on 2048x8192: 2.5 against 2.2 ms at 8 rows, 4.1 against 4.7 at 16).
 INT8_SMALL_MAX_ROWS = 8
 _FAST_INT8_GEMM = (
     cpu_flags()["avx512_vnni"] or cpu_flags()["avx_vnni"] or cpu_flags()["amx_int8"]

@@ -321,8 +321,9 @@ def test_w8a8_linear_equals_float64(dtype, rows):
         pytest.skip("no AVX512-VNNI")
     g = torch.Generator().manual_seed(rows)
     # k = 100: a tail shorter than a 64-byte load; k = 102: rows of K not whole 4-byte words
-    # (AVX2's GEMM packs weights in words of 4, 8 x 8 of them at a time where whole).
-    for n, k in ((37, 576), (70, 100), (5, 64), (19, 102)):
+    # (AVX2's GEMM packs weights in words of 4, 8 x 8 of them at a time where whole); k =
+    # 16,384: its blocks of rows (about 256 KB of them: 16 rows there) more than one.
+    for n, k in ((37, 576), (70, 100), (5, 64), (19, 102), (19, 16384)):
         w = torch.randn(n, k, generator=g) * 0.05
         w[0] = 0.0  # a zero row: scale 0
         w[1, 3] = 4.0  # an outlier in a row
@@ -333,7 +334,9 @@ def test_w8a8_linear_equals_float64(dtype, rows):
         if rows > 1:
             x[1, 7] = 300.0  # a loud channel
         bias = torch.randn(n, generator=g).to(dtype)
-        qw.qs[2, 5] = -128  # (|q| of 128 meets |x| of 127 in vpmaddubsw without saturating)
+        # |q| of 128 against |x| of 127, a pair of them: at vpmaddubsw's int16 limit, not past it.
+        qw.qs[2, 4:6] = -128
+        x[:, 4:6] = x.float().abs().amax(1, keepdim=True).to(dtype)
         for b in (None, bias):
             got = run(x.contiguous(), qw.qs, qw.d, b)
             assert got.shape == (rows, n) and got.dtype == dtype
