@@ -169,10 +169,7 @@ inline void quantize_row_blocks(const Tin* x, int64_t nb, int64_t per_load, bool
       v[c] = load8(x + b * kBlock + 8 * c);
       amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[c], abs_mask));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    d = _mm_cvtss_f32(m4) / 127.f;
+    d = pagoda_simd::max8(amax8) / 127.f;
     const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
     __m256i q[4];
     for (int c = 0; c < 4; ++c) q[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], id));  // ties to even

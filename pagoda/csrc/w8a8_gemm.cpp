@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_blocks.h"  // (for_row_tiles)
 #include "simd.h"
 
 namespace {
@@ -64,10 +65,7 @@ float quantize_row(const T* x, int64_t K, uint8_t* q_u8, int8_t* q_s8) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 vmax = _mm256_setzero_ps();
   for (int64_t k = 0; k < whole; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8(x + k)));
-  float amax = 0.f;
-  float lanes[8];
-  _mm256_storeu_ps(lanes, vmax);
-  for (float v : lanes) amax = std::max(amax, v);
+  float amax = max8(vmax);
   for (int64_t k = whole; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
   const float scale = amax / 127.f;
   const float inv = scale != 0.f ? 1.f / scale : 0.f;
@@ -266,22 +264,19 @@ void gemm_avx2(const int8_t* xq, int64_t lda, const float* sx, int64_t M, const 
   const int64_t row_blocks = (M + block_rows - 1) / block_rows;
   at::parallel_for(0, row_blocks * num_panels, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> panel(groups * kPanel);
+    const int8_t* bytes = reinterpret_cast<const int8_t*>(panel.data());
     int32_t sums[kTileRows * kPanel];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p = b % num_panels, i_end = std::min(M, (b / num_panels + 1) * block_rows);
       pack_panel(w, N, K, groups, p, panel.data());
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      for (int64_t i = (b / num_panels) * block_rows; i < i_end; i += kTileRows) {
-        const int64_t rows = std::min(kTileRows, i_end - i);
-        const int8_t* a = xq + i * lda;
-        const int8_t* bytes = reinterpret_cast<const int8_t*>(panel.data());
-        if (rows == 4) tile_sums<4>(a, lda, bytes, groups, sums);
-        else if (rows == 3) tile_sums<3>(a, lda, bytes, groups, sums);
-        else if (rows == 2) tile_sums<2>(a, lda, bytes, groups, sums);
-        else tile_sums<1>(a, lda, bytes, groups, sums);
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0), i0 = (b / num_panels) * block_rows;
+      pagoda_quant::for_row_tiles<kTileRows>(i_end - i0, [&](auto mt, int64_t t0) {
+        constexpr int64_t rows = decltype(mt)::value;
+        const int64_t i = i0 + t0;
+        tile_sums<rows>(xq + i * lda, lda, bytes, groups, sums);
         for (int64_t t = 0; t < rows; ++t)
           store_row(y + (i + t) * N + n0, sums + t * kPanel, sx[i + t], sw + n0, bias != nullptr ? bias + n0 : nullptr, cols);
-      }
+      });
     }
   });
 }

@@ -1,11 +1,12 @@
 """GGUF files of BERT embedding models as llama.cpp's converter writes them (all-MiniLM,
 bge, e5, ...; `general.architecture` bert; nomic-embed-text: nomic-bert), and of XLM-R
 and RoBERTa ones (bge-m3, multilingual-e5, all-distilroberta; the bge-reranker and
-RoBERTa cross-encoders, their head as cls and cls.output): their config from llama.cpp's keys, their tensors under BertModel's
-(NomicBertModel's) names. BERT's tensors are written one to one, norms and
-biases in F32, the position and token-type tables always F32, the other matrices in
-the file's type (quantized blocks kept as blocks, as gguf_loader keeps a decoder's).
-The vocabulary's respelling is undone in gguf_tokenizer.py."""
+RoBERTa cross-encoders, their head as cls and cls.output): their config from llama.cpp's
+keys, their tensors under BertModel's (NomicBertModel's) names. BERT's tensors are
+written one to one, norms and biases in F32, the position and token-type tables always
+F32, the other matrices in the file's type (quantized blocks kept as blocks, as
+gguf_loader keeps a decoder's). The vocabulary's respelling is undone in
+gguf_tokenizer.py."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""XLM-R GGUF files (bge-m3 and multilingual-e5 embedders, bge-reranker cross-encoders)
-and RoBERTa ones (all-distilroberta, the RoBERTa cross-encoders) as llama.cpp's
-converter writes them (tests/gguf_bert_writer.py: a "t5" vocabulary of SentencePiece
-pieces and scores with NFKC's precompiled map, or a "gpt2" one of byte-level BPE tokens
-and merges; the position table cut to start after the padding id, the head as cls and
-cls.output), against the folders they were written from: the rebuilt tokenizer's ids, sentence-transformers' embeddings,
-CrossEncoder's scores. A BERT cross-encoder's file, which the converter writes without
-its pooler, is refused by name; the folders' own context stops where their positions do."""
+"""XLM-R GGUF files (bge-m3 and multilingual-e5 embedders, bge-reranker cross-encoders) and
+RoBERTa ones (all-distilroberta, the RoBERTa cross-encoders) as llama.cpp's converter
+writes them (tests/gguf_bert_writer.py: a "t5" vocabulary of SentencePiece pieces and
+scores with NFKC's precompiled map, or a "gpt2" one of byte-level BPE tokens and merges;
+the position table cut to start after the padding id, the head as cls and cls.output),
+against the folders they were written from: the rebuilt tokenizer's ids,
+sentence-transformers' embeddings, CrossEncoder's scores. A BERT cross-encoder's file,
+which the converter writes without its pooler, is refused by name; the folders' own
+context stops where their positions do."""
 
 from __future__ import annotations
 
