@@ -36,7 +36,7 @@ from pagoda.config import (
 from pagoda.model_executor import model_files
 from pagoda.model_executor.models import (
     BIDIRECTIONAL,
-    EXPERTS,
+    LATENT_ATTENTION,
     VISION,
     needs,
     position_offset,
@@ -320,10 +320,10 @@ class EngineArgs:
         model_loader.check_architecture(hf_config, path)
         arch = hf_config["architectures"][0]
         model_needs = needs(arch)
-        if self.enable_lora and EXPERTS in model_needs:
+        if self.enable_lora and LATENT_ATTENTION in model_needs:
             raise ValueError(
-                "enable_lora: LoRA adapters on mixture-of-experts models are not supported yet "
-                f"({hf_config['architectures'][0]})."
+                "enable_lora: LoRA adapters on multi-head latent attention models are not "
+                f"supported yet ({arch})."
             )
         if BIDIRECTIONAL in model_needs and (self.enable_lora or self.speculative_config):
             name = "enable_lora" if self.enable_lora else "speculative_config"

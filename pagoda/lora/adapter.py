@@ -5,7 +5,10 @@ An adapter is a folder as PEFT's `save_pretrained` writes it: `adapter_config.js
 and `adapter_model.safetensors` (or `adapter_model.bin`). pagoda serves adapters on
 the decoder's linear layers, q/k/v/o_proj and gate/up/down_proj, in any subset and
 any layers, with `lora_alpha` scaling (alpha / r, or alpha / sqrt(r) with rsLoRA),
-PEFT's `rank_pattern` and `alpha_pattern` included. Anything that changes the math
+PEFT's `rank_pattern` and `alpha_pattern` included. On mixture-of-experts models
+(Mixtral, Qwen2/3-MoE, OLMoE) the attention takes adapters, and so do the MLPs of
+the layers that are dense; the experts, the shared expert and the router do not
+yet, and an adapter on them is refused by name. Anything that changes the math
 beyond `W x + scaling * B A x` (DoRA, LoRA biases, trained base biases, modules to
 save, embedding or lm_head adapters) is refused by name.
 
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from pagoda.errors import InvalidRequestError
+from pagoda.model_executor.models.llama import is_moe_layer
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -40,6 +44,13 @@ TARGET_MODULES = {
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight$"
 )
+# A LoRA weight inside a mixture-of-experts block: routed experts (Mixtral's
+# block_sparse_moe.experts.N.w1, Qwen's mlp.experts.N.gate_proj), the shared expert, the
+# router.
+_MOE_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\."
+    r"(?:experts\.\d+\.\w+|shared_experts?\.\w+|shared_expert_gate|gate)\.lora_[AB]\.weight$"
+)
 # PEFT config fields whose non-default values change the math pagoda runs.
 _REFUSED = {
     "use_dora": "DoRA",
@@ -50,7 +61,8 @@ _REFUSED = {
     "layer_replication": "layer replication",
     "use_qalora": "QA-LoRA",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-    "target_parameters": "LoRA on parameters (target_parameters)",
+    # (as PEFT 0.21 writes any MLP target of a transformers-5 MoE model: fused experts)
+    "target_parameters": "LoRA on parameters (target_parameters: e.g. fused experts)",
     "use_bdlora": "block-diagonal LoRA",
     "arrow_config": "Arrow routing",
 }
@@ -214,6 +226,15 @@ def _modules(
     keys: dict[tuple[int, str], dict[str, str]] = {}
     for key in shapes:
         match = _KEY.match(key)
+        in_moe = _MOE_KEY.match(key) or (match if match and match[2] == "mlp" else None)
+        if in_moe and is_moe_layer(hf_config, int(in_moe[1])):
+            _fail(
+                path,
+                f"{fname}: weight {key!r} is on a mixture-of-experts layer's experts or "
+                "router; LoRA there is not supported yet (q/k/v/o_proj and dense layers' "
+                "gate/up/down_proj are)",
+                param,
+            )
         if match is None or TARGET_MODULES.get(match[3]) != match[2]:
             _fail(
                 path,

@@ -10,6 +10,7 @@ attention only, MLP only, one layer only), alpha (alpha_pattern, rsLoRA). PEFT's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 
 import pytest
@@ -21,6 +22,7 @@ from tests.helpers import (
     ADAPTERS,
     QUESTIONS,
     broken_copy,
+    edit_config,
     load_hf,
     make_adapter,
     make_model,
@@ -232,6 +234,122 @@ def test_qwen2_with_bias_and_adapters(tmp_path):
     picks, loras = mixed(prompts, lora_requests(adapters))
     for prompt, pick, out in zip(prompts, picks, generate(llm, prompts, loras), strict=True):
         assert out == reference.greedy(prompt, pick), pick
+
+
+# Mixture-of-experts models: adapters on the attention of every layer and on the MLP of
+# the dense layers (Qwen3-MoE's mlp_only_layers); the experts take none yet.
+MOE_MODELS = {
+    "mixtral": ("mixtral", {}),
+    "qwen3_moe-dense0": ("qwen3_moe", dict(mlp_only_layers=[0])),
+    "olmoe": ("olmoe", {}),
+}
+MOE_ADAPTERS = {
+    "attn4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "qo8last": dict(r=8, target_modules=["q_proj", "o_proj"], layers_to_transform=[1]),
+}
+
+
+def write_adapter(path: str, weights: dict[str, torch.Tensor], r: int, alpha: float) -> str:
+    """An adapter folder by hand, as PEFT before transformers 5 names MoE models'
+    weights (PEFT 0.21 turns any MLP target of a transformers-5 MoE model into
+    `target_parameters` on the fused experts, which pagoda refuses by name)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    save_file({f"base_model.model.{k}": v.contiguous() for k, v in weights.items()},
+              os.path.join(path, "adapter_model.safetensors"))  # fmt: skip
+    modules = sorted({k.split(".")[-4] for k in weights})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": modules}, f)
+    return path
+
+
+def dense_mlp_adapter(folder: str, tmp_path, layer: int) -> tuple[str, str]:
+    """(an adapter on `layer`'s dense MLP, written by hand; a copy of the model with it
+    merged into the weights, W + alpha / r B A, for transformers to run)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    torch.manual_seed(11)
+    r, alpha, weights = 4, 8.0, {}
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            base = getattr(model.model.layers[layer].mlp, name).weight
+            a, b = torch.randn(r, base.shape[1]) * 0.3, torch.randn(base.shape[0], r) * 0.3
+            base += alpha / r * b @ a
+            key = f"model.layers.{layer}.mlp.{name}"
+            weights[f"{key}.lora_A.weight"], weights[f"{key}.lora_B.weight"] = a, b
+    merged = str(tmp_path / "merged")
+    model.save_pretrained(merged)
+    return write_adapter(str(tmp_path / "mlp4first"), weights, r, alpha), merged
+
+
+@pytest.mark.parametrize("variant", list(MOE_MODELS))
+def test_moe_models_take_adapters_on_attention_and_dense_mlps(variant, tmp_path):
+    arch, overrides = MOE_MODELS[variant]
+    folder = make_model(str(tmp_path / variant), arch, **overrides)
+    adapters = {
+        name: make_adapter(folder, str(tmp_path / name), seed, **config)
+        for seed, (name, config) in enumerate(MOE_ADAPTERS.items(), 1)
+    }
+    peft = PeftReference(folder, adapters)
+    expected = {name: functools.partial(peft.greedy, adapter=name) for name in [*adapters, None]}
+    if overrides.get("mlp_only_layers"):  # the dense layer's MLP under an adapter too
+        adapters["mlp4first"], merged = dense_mlp_adapter(folder, tmp_path, layer=0)
+        expected["mlp4first"] = functools.partial(
+            PeftReference(merged, {"attn4": adapters["attn4"]}).greedy, adapter=None
+        )
+    llm = lora_llm(folder)
+    prompts = tiny_prompts(llm.get_tokenizer(), 12, seed=5)
+    picks, loras = mixed(prompts, lora_requests(adapters))
+    for prompt, pick, out in zip(prompts, picks, generate(llm, prompts, loras), strict=True):
+        assert out == expected[pick](prompt), pick
+    for name in adapters:  # each adapter changes what the model says
+        assert any(expected[name](p) != expected[None](p) for p in prompts), name
+    assert llm.llm_engine.model_runner.decode_loop_max_rows  # (the C++ loop's decode steps)
+    assert llm.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_adapters_on_experts_are_refused_and_the_engine_serves_on(tmp_path):
+    """Adapters on the routed experts, the shared expert or the router (PEFT's names
+    before transformers 5), on the MLP of a layer that has experts, or on fused experts
+    (target_parameters) are refused by name, and the engine serves on."""
+    folder = make_model(str(tmp_path / "qwen2_moe"), "qwen2_moe")
+    hidden, r = 64, 4
+    refused = {}
+    for i, module in enumerate(
+        ["mlp.experts.3.up_proj", "mlp.shared_expert.down_proj", "mlp.gate", "mlp.down_proj"]
+    ):
+        weights = {
+            f"model.layers.1.{module}.lora_A.weight": torch.randn(r, hidden),
+            f"model.layers.1.{module}.lora_B.weight": torch.randn(hidden, r),
+        }
+        refused[module] = write_adapter(str(tmp_path / f"bad{i}"), weights, r, 8)
+    # PEFT's own, on "up_proj": here the shared expert's (and the experts', where fused).
+    mlp = make_adapter(folder, str(tmp_path / "mlp"), 1, r=4, target_modules=["up_proj"])
+    attn = make_adapter(folder, str(tmp_path / "attn"), 3, r=4, target_modules=["v_proj"])
+    fused = shutil.copytree(attn, str(tmp_path / "fused"))
+    edit_config(fused, target_parameters=["gate_up_proj"])
+    llm = lora_llm(folder)
+    prompt = tiny_prompts(llm.get_tokenizer(), 1, seed=9)[0]
+    experts = "mixture-of-experts layer's experts"
+    cases = [(path, f"layers.1.{m}", experts) for m, path in refused.items()]
+    cases += [
+        (mlp, "shared_expert.up_proj", experts),
+        (fused, "target_parameters", "fused experts"),
+    ]
+    for i, (path, where, why) in enumerate(cases, 7):
+        with pytest.raises(InvalidRequestError) as e:
+            generate(llm, [prompt], LoRARequest("bad", i, path))
+        assert e.value.param == "lora_request"
+        assert where in str(e.value) and why in str(e.value), str(e.value)
+    assert generate(llm, [prompt], LoRARequest("attn", 1, attn)) == [
+        PeftReference(folder, {"attn": attn}).greedy(prompt, "attn")
+    ]
+    assert llm.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_sampling_n_and_speculation_under_an_adapter(tiny_llama, adapters, reference):

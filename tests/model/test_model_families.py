@@ -282,7 +282,7 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
 
 
 def test_what_a_family_does_not_run_yet_is_refused_by_name(family_models):
-    """MLA split across workers, LoRA on DeepSeek's experts: a ValueError naming the
+    """MLA split across workers, LoRA on DeepSeek's MLA: a ValueError naming the
     field, before anything loads."""
     from pagoda import EngineArgs
     from pagoda.refusals import cuda_refusal
@@ -290,7 +290,7 @@ def test_what_a_family_does_not_run_yet_is_refused_by_name(family_models):
     folder = family_models["deepseek_v2"]
     with pytest.raises(ValueError, match="tensor_parallel_size > 1: multi-head latent"):
         EngineArgs(model=folder, tensor_parallel_size=2).create_model_config()
-    with pytest.raises(ValueError, match="enable_lora: LoRA adapters on mixture-of-experts"):
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters on multi-head latent"):
         EngineArgs(model=folder, enable_lora=True).create_model_config()
     args = EngineArgs(model=folder)
     refusal = cuda_refusal(args, args.create_model_config().hf_config)

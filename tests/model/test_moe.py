@@ -246,11 +246,6 @@ def test_quantized_experts_equal_their_dequantized_reference(fmt):
         torch.testing.assert_close(quantized(x, logits), dense(x, logits), rtol=1e-5, atol=1e-5)
 
 
-def test_lora_on_moe_is_refused(moe_models):
-    with pytest.raises(ValueError, match="enable_lora: LoRA adapters on mixture-of-experts"):
-        LLM(moe_models["olmoe"], dtype="float32", enable_lora=True)
-
-
 def write_moe_gguf(path: str, folder: str, tokenizer_gguf: str, expert_type: str = "F32"):
     """A llama.cpp-layout GGUF of the HF folder's Mixtral ("llama" with experts; q/k
     rows permuted as convert_hf_to_gguf does) or Qwen2-MoE ("qwen2moe": q/k/v biases,
