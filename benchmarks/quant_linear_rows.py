@@ -35,7 +35,7 @@ ROWS = (8, 16, 32, 64, 128, 256, 512, 1024)
 def ops_with(max_rows: int, dtype: torch.dtype):
     """The CPU ops with the blocks' row limit set to `max_rows` (0: always dequantize)."""
     saved = cpu.quant_linear_max_rows
-    cpu.quant_linear_max_rows = lambda _dtype: max_rows
+    cpu.quant_linear_max_rows = lambda _dtype, _weight=None: max_rows
     try:
         return cpu.cpu_ops(dtype)
     finally:

@@ -169,16 +169,17 @@ def largest_qweight(model: nn.Module, cost: ModelCost):
     return None
 
 
-def int8_max_rows(weight_format: str | None, model_config, ops_backend: str) -> int:
-    """The most rows at which the engine runs the layers' linears on integers (int8
-    activations: pagoda.ops.cpu's quant_linear paths), 0 where it never does."""
-    if weight_format is None or ops_backend != "cpu" or not model_config.int8_activations:
+def int8_max_rows(qweight, model_config, ops_backend: str) -> int:
+    """The most rows at which the engine runs the layers' largest linear (`qweight`,
+    None: float) on integers (int8 activations: pagoda.ops.cpu's quant_linear paths), 0
+    where it never does."""
+    if qweight is None or ops_backend != "cpu" or not model_config.int8_activations:
         return 0
     if model_config.batch_invariant:  # integer products at every row count
         return 1 << 62
-    if weight_format == PER_CHANNEL:
+    if qweight.format == PER_CHANNEL:
         return W8A8_INT_MAX_ROWS
-    return quant_linear_max_rows(DTYPES[model_config.dtype])
+    return quant_linear_max_rows(DTYPES[model_config.dtype], qweight)
 
 
 # ---- the engine's steps, timed ----------------------------------------------------------
@@ -317,7 +318,7 @@ def run_roofline(
             read_bytes=read_bytes,
             repeats=repeats,
         )
-        int8_rows = int8_max_rows(cost.weight_format, engine.model_config, runner.ops.backend)
+        int8_rows = int8_max_rows(qweight, engine.model_config, runner.ops.backend)
         if "int8" not in limits.peaks_gflops:
             int8_rows = 0  # (the engine lacks the kernel then, too)
 

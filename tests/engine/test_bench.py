@@ -473,17 +473,26 @@ def test_roofline_int8_rows_follow_the_kernel_layer():
         W8A8_INT_MAX_ROWS,
     )
 
+    def weight(fmt: str, shape=(576, 1536)):
+        return SimpleNamespace(format=fmt, shape=shape)
+
     on = SimpleNamespace(int8_activations=True, batch_invariant=False, dtype="bfloat16")
-    assert int8_max_rows("q4_1", on, "cpu") == QUANT_LINEAR_MAX_ROWS
+    assert int8_max_rows(weight("q4_1"), on, "cpu") == QUANT_LINEAR_MAX_ROWS
     on_float32 = SimpleNamespace(int8_activations=True, batch_invariant=False, dtype="float32")
-    assert int8_max_rows("q4_1", on_float32, "cpu") == QUANT_LINEAR_MAX_ROWS_FLOAT32 > 16
-    assert int8_max_rows("w8a8", on, "cpu") == W8A8_INT_MAX_ROWS
+    assert int8_max_rows(weight("q4_1"), on_float32, "cpu") == QUANT_LINEAR_MAX_ROWS_FLOAT32 > 16
+    # Large 4-bit weights keep their blocks at every row count in float32 (not in bf16).
+    large = (6144, 2048)
+    assert int8_max_rows(weight("q4_0", large), on_float32, "cpu") > 1 << 30
+    assert int8_max_rows(weight("q4_k", large), on_float32, "cpu") > 1 << 30
+    assert int8_max_rows(weight("q6_k", large), on_float32, "cpu") == QUANT_LINEAR_MAX_ROWS_FLOAT32
+    assert int8_max_rows(weight("q4_0", large), on, "cpu") == QUANT_LINEAR_MAX_ROWS
+    assert int8_max_rows(weight("w8a8"), on, "cpu") == W8A8_INT_MAX_ROWS
     assert int8_max_rows(None, on, "cpu") == 0  # float weights
-    assert int8_max_rows("q4_1", on, "torch") == 0  # PyTorch alone: dequantized products
+    assert int8_max_rows(weight("q4_1"), on, "torch") == 0  # PyTorch alone: dequantized
     off = SimpleNamespace(int8_activations=False, batch_invariant=False, dtype="bfloat16")
-    assert int8_max_rows("q4_1", off, "cpu") == 0
+    assert int8_max_rows(weight("q4_1"), off, "cpu") == 0
     invariant = SimpleNamespace(int8_activations=True, batch_invariant=True, dtype="bfloat16")
-    assert int8_max_rows("q4_1", invariant, "cpu") > 1 << 30
+    assert int8_max_rows(weight("q4_1"), invariant, "cpu") > 1 << 30
 
 
 def test_roofline_bf16_peak_in_a_child_without_amx():
