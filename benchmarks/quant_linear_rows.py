@@ -7,8 +7,15 @@ QUANT_LINEAR_MAX_ROWS_FLOAT32 for float32).
     python benchmarks/quant_linear_rows.py [--output-json docs/perf/quant_linear_rows.json]
 
 Shapes: SmolLM2-135M's MLP (q4_1, the shipped file's type) and a 1.7B model's (q4_0),
-random weights quantized by the gguf package; the dtype "auto" picks (bf16 where the CPU
-has it natively, else float32); best of `--repeats`, the two paths in turn.
+random weights quantized by the gguf package, or `--shapes FMT:N:K,...`; with `--gguf
+FILE --tensors NAME,...` also those tensors of a GGUF file (the K-quants, which the
+package cannot write). The dtype "auto" picks (bf16 where the CPU has it natively, else
+float32); best of `--repeats`, the two paths in turn.
+
+With `--prefill MODEL`, end to end instead: one `--prompt-len` prompt prefilled (one
+step) by two engines in one process, in turn, best of `--repeats`: every weight
+limited to `quant_linear_max_rows(dtype)` (the rule before large 4-bit weights kept
+their blocks at every row count) and the rule as it is.
 """
 
 from __future__ import annotations
@@ -42,22 +49,81 @@ def ops_with(max_rows: int, dtype: torch.dtype):
         cpu.quant_linear_max_rows = saved
 
 
+def weights(shapes, gguf_file: str | None, tensors: list[str]):
+    """(label, QuantizedWeight): random weights of `shapes` quantized by the gguf
+    package, then `tensors` of `gguf_file` as they are stored."""
+    rng = np.random.default_rng(0)
+    for kind, out_features, in_features in shapes:
+        dense = rng.standard_normal((out_features, in_features), dtype=np.float32) * 0.02
+        yield kind, from_gguf(kind.upper(), quantize(dense, GGMLQuantizationType[kind.upper()]))
+    if tensors:
+        from gguf import GGUFReader
+
+        found = {t.name: t for t in GGUFReader(gguf_file).tensors}
+        for name in tensors:
+            kind = found[name].tensor_type.name
+            yield f"{kind.lower()} ({name})", from_gguf(kind, found[name].data)
+
+
+def prefill_rules(model: str, prompt_len: int, repeats: int) -> list[dict]:
+    """Seconds to prefill a fresh prompt under the row limit per format alone (`before`)
+    and under the current rule (`after`), in turn."""
+    from pagoda import LLM, SamplingParams
+
+    rule = cpu.quant_linear_max_rows
+    kwargs = dict(max_model_len=prompt_len + 1, enable_prefix_caching=False,
+                  max_num_batched_tokens=max(2048, prompt_len))  # fmt: skip
+    cpu.quant_linear_max_rows = lambda dtype, weight=None: rule(dtype)
+    try:
+        engines = {"before": LLM(model, **kwargs)}
+    finally:
+        cpu.quant_linear_max_rows = rule
+    engines["after"] = LLM(model, **kwargs)
+    rng = np.random.default_rng(0)
+    best = dict.fromkeys(engines, float("inf"))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            prompt = rng.integers(1000, 30000, prompt_len).tolist()  # fresh: no cache hit
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            best[name] = min(best[name], time.perf_counter() - start)
+    row = {"model": model, "prompt_len": prompt_len, "repeats": repeats,
+           **{f"{name}_tok_s": prompt_len / s for name, s in best.items()},
+           "after_over_before": best["before"] / best["after"]}  # fmt: skip
+    print(f"prefill {prompt_len} tokens: before {row['before_tok_s']:.1f} tok/s, after "
+          f"{row['after_tok_s']:.1f} tok/s, {row['after_over_before']:.2f}x")  # fmt: skip
+    return [row]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--shapes", default=None, help="FMT:N:K,... (default: %(prog)s's own)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--gguf", default=None, help="a GGUF file whose --tensors to add")
+    ap.add_argument("--tensors", default="", help="NAME,... of --gguf's tensors")
+    ap.add_argument("--prefill", default=None, metavar="MODEL", help="end to end (see above)")
+    ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     module = cpu.load()
     if module is None or not module.quant_linear_available():
         sys.exit("pagoda's int8 block kernels are not built on this CPU")
+    if args.prefill:
+        results = prefill_rules(args.prefill, args.prompt_len, args.repeats)
+        if args.output_json:
+            write_json(args.output_json, {"repeats": args.repeats}, results)
+        return
     dtype = DTYPES[resolve_dtype("auto", {})]  # bf16 where native, else float32
     paths = {"blocks": ops_with(1 << 30, dtype), "dequantized": ops_with(0, dtype)}
-    rng = np.random.default_rng(0)
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [(f, int(n), int(k)) for f, n, k in (s.split(":") for s in args.shapes.split(","))]
     results = []
-    for kind, out_features, in_features in SHAPES:
-        dense = rng.standard_normal((out_features, in_features), dtype=np.float32) * 0.02
-        weight = from_gguf(kind.upper(), quantize(dense, GGMLQuantizationType[kind.upper()]))
-        for rows in ROWS:
+    for kind, weight in weights(shapes, args.gguf, [t for t in args.tensors.split(",") if t]):
+        out_features, in_features = weight.shape
+        for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, in_features).to(dtype)
             best = dict.fromkeys(paths, float("inf"))
             for ops in paths.values():

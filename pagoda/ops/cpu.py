@@ -138,10 +138,11 @@ QUANT_LINEAR_MAX_ROWS = 16
 # integer rate is a larger multiple of float32's there than AVX2's is here.)
 QUANT_LINEAR_MAX_ROWS_FLOAT32 = 256
 # Except large weights in the 4-bit formats without a fifth or sixth bit, whose kernels
-# are the fastest: they keep their blocks at every row count. The same CPU, one process
-# (blocks over dequantized at 256-2,048 rows): q4_0, q4_1 and q4_k weights of 2.1-12.6M
-# elements 1.13-1.99x (1.7B models' attention and MLP), where q8_0, q5_0 and q6_k are
-# 0.71-0.95x past 256 rows and weights of 0.3-1M elements 0.78-1.24x.
+# are the fastest: they keep their blocks at every row count. The same CPU, blocks over
+# dequantized at 256-2,048 rows (docs/perf/quant_linear_rows_large_avx2.json): q4_0,
+# q4_1 and q4_k weights of 2.1-12.6M elements (a 1.7B model's attention and MLP)
+# 1.13-1.96x (one 0.97x), where q8_0, q5_0 and q6_k are 0.71-1.07x and weights of
+# 0.3-0.9M elements 0.79-1.18x; Qwen3-1.7B's prefill 1.34x in Q4_0 and in Q4_K_M.
 BLOCKS_AT_ANY_ROWS_FORMATS = ("q4_0", "q4_1", "q4_k")
 BLOCKS_AT_ANY_ROWS_MIN_ELEMENTS = 1 << 21
 
