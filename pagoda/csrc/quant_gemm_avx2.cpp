@@ -146,6 +146,13 @@ void dot_rows(const Activations& a, const uint8_t* qs, const at::Half* d, const 
   }
 }
 
+// Shuffle bytes that put int16 element `low` of each 128-bit half in all 8 int16s of
+// the low half, and `high` in those of the high half.
+inline __m256i spread_int16(int low, int high) {
+  const auto both_bytes = [](int e) { return static_cast<short>((2 * e + 1) << 8 | 2 * e); };
+  return _mm256_setr_m128i(_mm_set1_epi16(both_bytes(low)), _mm_set1_epi16(both_bytes(high)));
+}
+
 // The same for q4_k, q5_k and q6_k (their sums: kquant_gemm.cpp).
 template <int64_t Format, int64_t MT, typename Tout>
 void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout* y, int64_t mi,
@@ -156,31 +163,35 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wrow = w.qs + n * nb * 16;
     const uint8_t* srow = w.sc + n * nb * 2;
-    __m256 acc[MT];
-    for (int64_t t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    // The block scales multiply the int16 pair sums inside vpmaddwd (in place of its
+    // ones; an int32 lane is at most 2 x 15,748 x 63 for q4_k/q5_k, 2 x 2 x 16,002 x 128
+    // over q6_k's two halves: exact, and exact in float too, below 2^24), so a row
+    // takes one conversion and one FMA per 32 bytes, and the super-block's d once.
+    __m256 acc[MT], sb[MT];
+    for (int64_t t = 0; t < MT; ++t) acc[t] = sb[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       _mm_prefetch(reinterpret_cast<const char*>(wrow + g * 64 + kPrefetchBytes), _MM_HINT_T0);
-      // The group's 4 blocks' (sc, mn) or q6_k's two scales, as 8 floats.
+      // The group's 4 blocks' (sc, mn), or q6_k's two scales a block, as 8 int16s in
+      // both 128-bit halves.
       const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(srow + g * 8));
-      const __m256 s = _mm256_cvtepi32_ps(kQ6 ? _mm256_cvtepi8_epi32(s8) : _mm256_cvtepu8_epi32(s8));
-      const __m256 d = _mm256_set1_ps(to_float(w.d[n * supers + g / 2]));
+      const __m256i s = _mm256_broadcastsi128_si256(kQ6 ? _mm_cvtepi8_epi16(s8) : _mm_cvtepu8_epi16(s8));
       __m256i hb = _mm256_setzero_si256();
       if constexpr (kQ6) hb = load32(w.qh + (n * groups + g) * 32);
       for (int64_t h = 0; h < 2; ++h) {
         const __m256i codes = load32(wrow + g * 64 + h * 32);
         __m256i lo = _mm256_and_si256(codes, nibble_mask());
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble_mask());
-        // Lanes 0-3 belong to block 2h of the group, 4-7 to block 2h + 1.
-        const __m256i first = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-        const __m256i blocks = _mm256_add_epi32(first, _mm256_set1_epi32(4 * static_cast<int>(h)));
-        const __m256 dlo = _mm256_mul_ps(_mm256_permutevar8x32_ps(s, blocks), d);
-        __m256 dhi = dlo;
+        // Lanes 0-3 belong to block 2h of the group, 4-7 to block 2h + 1: the scale at
+        // int16 2b (+ 1: q6_k's second half) of block b, in every int16 of its lanes.
+        const int first = 4 * static_cast<int>(h);
+        const __m256i slo = _mm256_shuffle_epi8(s, spread_int16(first, first + 2));
+        __m256i shi = slo;
         if constexpr (kQ6) {
           // The low nibbles' high bit pairs: bits 0-1 (h = 0) or 2-3 of qh's bytes; the
           // high nibbles': bits 4-5 or 6-7.
           lo = _mm256_or_si256(lo, _mm256_and_si256(h == 0 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2), pair));
           hi = _mm256_or_si256(hi, _mm256_and_si256(h == 0 ? hb : _mm256_srli_epi16(hb, 2), pair));
-          dhi = _mm256_mul_ps(_mm256_permutevar8x32_ps(s, _mm256_add_epi32(blocks, _mm256_set1_epi32(1))), d);
+          shi = _mm256_shuffle_epi8(s, spread_int16(first + 1, first + 3));
         } else if constexpr (kQ5) {
           const int32_t* fifth = w.fifth + n * nb + g * 4 + 2 * h;
           or_fifth_bit_bytes(lo, hi, static_cast<uint32_t>(fifth[0]), static_cast<uint32_t>(fifth[1]));
@@ -191,13 +202,16 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
           const int8_t* act = a.q.data() + (i * groups + g) * 128 + h * 32;
           const __m256 as = _mm256_loadu_ps(a.scale.data() + (i * groups + g) * 16 + h * 8);
           const __m256i plo = _mm256_maddubs_epi16(lo, load32(act)), phi = _mm256_maddubs_epi16(hi, load32(act + 64));
-          if constexpr (kQ6) {
-            const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(phi)), dhi,
-                                                _mm256_mul_ps(_mm256_cvtepi32_ps(widen(plo)), dlo));
-            acc[t] = _mm256_fmadd_ps(both, as, acc[t]);
-          } else {
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(_mm256_add_epi16(plo, phi))), _mm256_mul_ps(dlo, as), acc[t]);
-          }
+          const __m256i sums = kQ6 ? _mm256_add_epi32(_mm256_madd_epi16(plo, slo), _mm256_madd_epi16(phi, shi))
+                                   : _mm256_madd_epi16(_mm256_add_epi16(plo, phi), slo);
+          sb[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), as, sb[t]);
+        }
+      }
+      if (g % 2 == 1 || g == groups - 1) {  // a super-block's end: times its d
+        const __m256 d = _mm256_set1_ps(to_float(w.d[n * supers + g / 2]));
+        for (int64_t t = 0; t < MT; ++t) {
+          acc[t] = _mm256_fmadd_ps(sb[t], d, acc[t]);
+          sb[t] = _mm256_setzero_ps();
         }
       }
     }
