@@ -113,7 +113,8 @@ def main() -> None:
     if args.prefill:
         results = prefill_rules(args.prefill, args.prompt_len, args.repeats)
         if args.output_json:
-            write_json(args.output_json, {"repeats": args.repeats}, results)
+            config = {"repeats": args.repeats, "dtype": "auto (float32 with int8 activations where the CPU lacks native bf16)"}  # fmt: skip
+            write_json(args.output_json, config, results)
         return
     dtype = DTYPES[resolve_dtype("auto", {})]  # bf16 where native, else float32
     paths = {"blocks": ops_with(1 << 30, dtype), "dequantized": ops_with(0, dtype)}

@@ -4,7 +4,8 @@
 //
 // vpmaddubsw multiplies unsigned weight bytes by signed activation bytes and adds
 // adjacent pairs into int16 lanes, saturating; vpmaddwd with ones then adds pairs of
-// those into int32 lanes, so lane l of a 32-byte load's sums holds 4 products of the
+// those into int32 lanes (the K-quants: with their block scales in place of the ones,
+// see k_dot_rows), so lane l of a 32-byte load's sums holds 4 products of the
 // block l / (8 / blocks per load). No pair can saturate: codes of at most 6 bits give
 // 2 x 63 x 127 = 16,002, and q4/q5's low and high nibbles' pairs are added in int16
 // (at most 2 x 2 x 31 x 127 = 15,748). q8_0's codes (stored + 128) are read as signed
@@ -167,8 +168,8 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
     // ones; an int32 lane is at most 2 x 15,748 x 63 for q4_k/q5_k, 2 x 2 x 16,002 x 128
     // over q6_k's two halves: exact, and exact in float too, below 2^24), so a row
     // takes one conversion and one FMA per 32 bytes, and the super-block's d once.
-    __m256 acc[MT], sb[MT];
-    for (int64_t t = 0; t < MT; ++t) acc[t] = sb[t] = _mm256_setzero_ps();
+    __m256 acc[MT], super_sum[MT];
+    for (int64_t t = 0; t < MT; ++t) acc[t] = super_sum[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       _mm_prefetch(reinterpret_cast<const char*>(wrow + g * 64 + kPrefetchBytes), _MM_HINT_T0);
       // The group's 4 blocks' (sc, mn), or q6_k's two scales a block, as 8 int16s in
@@ -204,14 +205,14 @@ void k_dot_rows(const Activations& a, const KWeight& w, const float* bias, Tout*
           const __m256i plo = _mm256_maddubs_epi16(lo, load32(act)), phi = _mm256_maddubs_epi16(hi, load32(act + 64));
           const __m256i sums = kQ6 ? _mm256_add_epi32(_mm256_madd_epi16(plo, slo), _mm256_madd_epi16(phi, shi))
                                    : _mm256_madd_epi16(_mm256_add_epi16(plo, phi), slo);
-          sb[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), as, sb[t]);
+          super_sum[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), as, super_sum[t]);
         }
       }
-      if (g % 2 == 1 || g == groups - 1) {  // a super-block's end: times its d
+      if (g % 2 == 1) {  // a super-block's end (2 groups; K-quant rows hold whole ones)
         const __m256 d = _mm256_set1_ps(to_float(w.d[n * supers + g / 2]));
         for (int64_t t = 0; t < MT; ++t) {
-          acc[t] = _mm256_fmadd_ps(sb[t], d, acc[t]);
-          sb[t] = _mm256_setzero_ps();
+          acc[t] = _mm256_fmadd_ps(super_sum[t], d, acc[t]);
+          super_sum[t] = _mm256_setzero_ps();
         }
       }
     }

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pagoda.errors import InvalidRequestError
-from pagoda.model_executor.models.llama import is_moe_layer
+from pagoda.model_executor.models import is_moe_layer
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -61,7 +61,7 @@ _REFUSED = {
     "layer_replication": "layer replication",
     "use_qalora": "QA-LoRA",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-    # (as PEFT 0.21 writes any MLP target of a transformers-5 MoE model: fused experts)
+    # (as PEFT 0.21 writes an MLP target of transformers 5's Mixtral, Qwen3-MoE, OLMoE)
     "target_parameters": "LoRA on parameters (target_parameters: e.g. fused experts)",
     "use_bdlora": "block-diagonal LoRA",
     "arrow_config": "Arrow routing",
@@ -226,13 +226,13 @@ def _modules(
     keys: dict[tuple[int, str], dict[str, str]] = {}
     for key in shapes:
         match = _KEY.match(key)
-        in_moe = _MOE_KEY.match(key) or (match if match and match[2] == "mlp" else None)
-        if in_moe and is_moe_layer(hf_config, int(in_moe[1])):
+        moe_match = _MOE_KEY.match(key) or (match if match and match[2] == "mlp" else None)
+        if moe_match and is_moe_layer(hf_config, int(moe_match[1])):
             _fail(
                 path,
-                f"{fname}: weight {key!r} is on a mixture-of-experts layer's experts or "
-                "router; LoRA there is not supported yet (q/k/v/o_proj and dense layers' "
-                "gate/up/down_proj are)",
+                f"{fname}: weight {key!r} is in a mixture-of-experts layer's MLP (its "
+                "experts, shared expert or router); LoRA there is not supported yet "
+                "(q/k/v/o_proj and dense layers' gate/up/down_proj are)",
                 param,
             )
         if match is None or TARGET_MODULES.get(match[3]) != match[2]:

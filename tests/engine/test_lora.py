@@ -251,8 +251,9 @@ MOE_ADAPTERS = {
 
 def write_adapter(path: str, weights: dict[str, torch.Tensor], r: int, alpha: float) -> str:
     """An adapter folder by hand, as PEFT before transformers 5 names MoE models'
-    weights (PEFT 0.21 turns any MLP target of a transformers-5 MoE model into
-    `target_parameters` on the fused experts, which pagoda refuses by name)."""
+    weights (PEFT 0.21 turns an MLP target of transformers 5's Mixtral, Qwen3-MoE or
+    OLMoE into `target_parameters` on the fused experts, which pagoda refuses by name,
+    whatever layers it names)."""
     import json
     import os
 
@@ -261,7 +262,7 @@ def write_adapter(path: str, weights: dict[str, torch.Tensor], r: int, alpha: fl
     os.makedirs(path)
     save_file({f"base_model.model.{k}": v.contiguous() for k, v in weights.items()},
               os.path.join(path, "adapter_model.safetensors"))  # fmt: skip
-    modules = sorted({k.split(".")[-4] for k in weights})
+    modules = sorted({k.split(".")[-3] for k in weights})
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": modules}, f)
     return path
@@ -309,7 +310,11 @@ def test_moe_models_take_adapters_on_attention_and_dense_mlps(variant, tmp_path)
         assert out == expected[pick](prompt), pick
     for name in adapters:  # each adapter changes what the model says
         assert any(expected[name](p) != expected[None](p) for p in prompts), name
-    assert llm.llm_engine.model_runner.decode_loop_max_rows  # (the C++ loop's decode steps)
+    from pagoda.ops import cpu
+
+    module = cpu.load()
+    if module is not None and module.lora_add_available():  # the C++ loop's decode steps
+        assert llm.llm_engine.model_runner.decode_loop_max_rows
     assert llm.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
@@ -328,19 +333,13 @@ def test_adapters_on_experts_are_refused_and_the_engine_serves_on(tmp_path):
             f"model.layers.1.{module}.lora_B.weight": torch.randn(hidden, r),
         }
         refused[module] = write_adapter(str(tmp_path / f"bad{i}"), weights, r, 8)
-    # PEFT's own, on "up_proj": here the shared expert's (and the experts', where fused).
-    mlp = make_adapter(folder, str(tmp_path / "mlp"), 1, r=4, target_modules=["up_proj"])
     attn = make_adapter(folder, str(tmp_path / "attn"), 3, r=4, target_modules=["v_proj"])
     fused = shutil.copytree(attn, str(tmp_path / "fused"))
     edit_config(fused, target_parameters=["gate_up_proj"])
     llm = lora_llm(folder)
     prompt = tiny_prompts(llm.get_tokenizer(), 1, seed=9)[0]
-    experts = "mixture-of-experts layer's experts"
-    cases = [(path, f"layers.1.{m}", experts) for m, path in refused.items()]
-    cases += [
-        (mlp, "shared_expert.up_proj", experts),
-        (fused, "target_parameters", "fused experts"),
-    ]
+    cases = [(path, f"layers.1.{m}", "mixture-of-experts") for m, path in refused.items()]
+    cases.append((fused, "target_parameters", "fused experts"))
     for i, (path, where, why) in enumerate(cases, 7):
         with pytest.raises(InvalidRequestError) as e:
             generate(llm, [prompt], LoRARequest("bad", i, path))

@@ -297,15 +297,19 @@ def test_ops_quant_linear_both_regimes(fmt):
             assert (got - exact).norm() / exact.norm() < 0.03
 
 
-@pytest.mark.parametrize("fmt, keeps_blocks", [("q4_0", True), ("q4_k", True), ("q6_k", False)])
-def test_large_4bit_weights_keep_their_blocks_at_every_row_count(fmt, keeps_blocks):
+@pytest.mark.parametrize(
+    "fmt, n, keeps_blocks",
+    [("q4_0", 1024, True), ("q4_k", 1024, True), ("q6_k", 1024, False), ("q4_0", 1016, False)],
+)
+def test_large_4bit_weights_keep_their_blocks_at_every_row_count(fmt, n, keeps_blocks):
     """In float32, a q4_0/q4_1/q4_k weight of 2^21 elements or more runs on its blocks
     past QUANT_LINEAR_MAX_ROWS_FLOAT32 too (each row bitwise what it gives alone); other
-    formats dequantize for the GEMM there. Both within quantization error of float64."""
+    formats, and smaller weights, dequantize for the GEMM there. Both within
+    quantization error of float64."""
     module = kernels_or_skip()
     if not module.quant_linear_available():
         pytest.skip("no int8 dot products (AVX512-VNNI or AVX2)")
-    n, k = 1024, 2048  # (2^21 elements)
+    k = 2048  # (n = 1024: 2^21 elements)
     qw, dense = make_weight(fmt, n, k, seed=5)
     ops = cpu.cpu_ops(torch.float32)
     x = torch.randn(cpu.QUANT_LINEAR_MAX_ROWS_FLOAT32 + 1, k)

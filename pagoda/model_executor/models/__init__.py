@@ -100,6 +100,15 @@ def position_offset(architecture: str, cfg: dict) -> int:
     return int(cfg.get("position_offset", cfg.get("pad_token_id", 1) + 1))
 
 
+def is_moe_layer(cfg: dict, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` of a Llama-shaped MoE config (Mixtral, Qwen2/3-MoE,
+    OLMoE) has experts: Qwen2/3-MoE may keep some layers dense."""
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if num_experts == 0 or layer_idx in (cfg.get("mlp_only_layers") or ()):
+        return False
+    return (layer_idx + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
+
+
 def needs(architecture: str) -> frozenset[str]:
     """What `architecture` needs beyond a dense decoder (EXPERTS, LATENT_ATTENTION, ...)."""
     return frozenset(NEEDS.get(architecture, ()))

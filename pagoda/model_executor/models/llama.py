@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.model_executor.layers.fused_moe import MoEConfig
+from pagoda.model_executor.models import is_moe_layer
 from pagoda.model_executor.models.transformer import (
     DecoderConfig,
     DecoderForCausalLM,
@@ -35,14 +36,6 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_config(cls, cfg: dict[str, Any]) -> DecoderConfig:
         return llama_decoder(cfg, attention=lambda i: {"bias": True, "o_bias": False})
-
-
-def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
-    """Whether layer `layer_idx` has experts (Qwen2/3-MoE may keep some layers dense)."""
-    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    if num_experts == 0 or layer_idx in (cfg.get("mlp_only_layers") or ()):
-        return False
-    return (layer_idx + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
 
 
 def moe_config(cfg: dict[str, Any], renormalize: bool | None = None) -> MoEConfig:
