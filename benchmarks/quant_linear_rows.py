@@ -21,6 +21,7 @@ their blocks at every row count) and the rule as it is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -39,14 +40,22 @@ SHAPES = [("q4_1", 1536, 576), ("q4_1", 576, 1536), ("q4_0", 6144, 2048), ("q4_0
 ROWS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def ops_with(max_rows: int, dtype: torch.dtype):
-    """The CPU ops with the blocks' row limit set to `max_rows` (0: always dequantize)."""
+@contextlib.contextmanager
+def row_rule(rule):
+    """`cpu.quant_linear_max_rows` replaced by `rule(dtype, weight)` for what is built
+    inside (the ops read it once, when they are built)."""
     saved = cpu.quant_linear_max_rows
-    cpu.quant_linear_max_rows = lambda _dtype, _weight=None: max_rows
+    cpu.quant_linear_max_rows = rule
     try:
-        return cpu.cpu_ops(dtype)
+        yield
     finally:
         cpu.quant_linear_max_rows = saved
+
+
+def ops_with(max_rows: int, dtype: torch.dtype):
+    """The CPU ops with the blocks' row limit set to `max_rows` (0: always dequantize)."""
+    with row_rule(lambda _dtype, _weight=None: max_rows):
+        return cpu.cpu_ops(dtype)
 
 
 def weights(shapes, gguf_file: str | None, tensors: list[str]):
@@ -70,14 +79,11 @@ def prefill_rules(model: str, prompt_len: int, repeats: int) -> list[dict]:
     and under the current rule (`after`), in turn."""
     from pagoda import LLM, SamplingParams
 
-    rule = cpu.quant_linear_max_rows
     kwargs = dict(max_model_len=prompt_len + 1, enable_prefix_caching=False,
                   max_num_batched_tokens=max(2048, prompt_len))  # fmt: skip
-    cpu.quant_linear_max_rows = lambda dtype, weight=None: rule(dtype)
-    try:
+    rule = cpu.quant_linear_max_rows
+    with row_rule(lambda dtype, weight=None: rule(dtype)):  # the limit per dtype alone
         engines = {"before": LLM(model, **kwargs)}
-    finally:
-        cpu.quant_linear_max_rows = rule
     engines["after"] = LLM(model, **kwargs)
     rng = np.random.default_rng(0)
     best = dict.fromkeys(engines, float("inf"))
